@@ -1,0 +1,44 @@
+# The two commands the README opens with:
+#   make serve   create .venv, install Roundhouse, fetch the default model, serve it on 127.0.0.1:8080
+#   make test    create .venv, install Roundhouse with its test tools, fetch fixtures, lint, run the tests
+# Installs are stamped, so a second run installs and fetches nothing.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+# torch first, pinned: our machines hold this CPU build on local disk; an
+# unpinned torch would pull a multi-GB CUDA build. Override for GPU hosts.
+TORCH ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test install install-test fixtures lint
+
+serve: $(VENV)/.runtime
+	$(BIN)/roundhouse serve $(ARGS)
+
+test: $(VENV)/.test fixtures lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: $(VENV)/.runtime
+
+install-test: $(VENV)/.test
+
+fixtures: $(VENV)/.test
+	$(BIN)/python -m tests.support.fixtures
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime pyproject.toml
+	$(PIP) install --quiet -e ".[test]"
+	touch $@

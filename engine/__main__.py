@@ -1,0 +1,5 @@
+"""`python -m engine ...`: the entry point the router's supervisor starts."""
+
+from engine.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The busy loop: drain commands, schedule, run one step, publish outputs.
+
+It never touches a socket: commands arrive on a queue filled by the input
+thread and events leave through `emit`, which hands them to the output thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+import msgspec
+
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from protocol import (
+    Abort,
+    EngineEvent,
+    EngineStats,
+    ErrorCode,
+    Generate,
+    RequestError,
+    RequestOutput,
+    RouterCommand,
+    Shutdown,
+    StepOutputs,
+)
+
+log = logging.getLogger(__name__)
+
+# How long an idle loop waits for a command before checking invariants again.
+IDLE_WAIT_SECONDS = 1.0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        *,
+        vocab_size: int,
+        emit: Callable[[EngineEvent], None],
+    ):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.emit = emit
+        self.step_count = 0
+        self._pending: list[RequestOutput] = []
+        self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
+        self._stopping = False
+
+    # ---- commands ----------------------------------------------------------
+
+    def handle(self, command: RouterCommand) -> None:
+        if isinstance(command, Generate):
+            self._add(command)
+        elif isinstance(command, Abort):
+            for seq in self.scheduler.abort(command.request_ids):
+                self.sampler.forget(seq.request_id)
+                self._pending.append(self._output(seq, []))
+        elif isinstance(command, Shutdown):
+            self._stopping = True
+
+    def _add(self, command: Generate) -> None:
+        error = self._validate(command)
+        if error is not None:
+            code, message = error
+            self.emit(RequestError(command.request_id, code, message))
+            return
+        seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
+        self.scheduler.add(seq)
+        self._stats.prompt_tokens_total += seq.num_prompt_tokens
+
+    def _validate(self, command: Generate) -> tuple[ErrorCode, str] | None:
+        prompt = command.prompt_token_ids
+        max_context = self.scheduler.max_context
+        if command.request_id in self.scheduler:
+            return ErrorCode.DUPLICATE_REQUEST, f"request id {command.request_id!r} is already running"
+        if not prompt:
+            return ErrorCode.INVALID_REQUEST, "the prompt is empty"
+        if len(prompt) >= max_context:
+            return (
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(prompt)} tokens; this model's context is {max_context} "
+                f"tokens, which must also hold at least one generated token",
+            )
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+        if command.params.max_tokens < 1:
+            return ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1"
+        return None
+
+    # ---- the loop ------------------------------------------------------------
+
+    def run(self, commands: queue.Queue[RouterCommand]) -> None:
+        while not self._stopping:
+            if not self.scheduler.has_work() and not self._pending:
+                try:
+                    self.handle(commands.get(timeout=IDLE_WAIT_SECONDS))
+                except queue.Empty:
+                    # Idle: a good moment to prove the books balance.
+                    self.scheduler.check_invariants()
+                    continue
+            while not self._stopping:
+                try:
+                    self.handle(commands.get_nowait())
+                except queue.Empty:
+                    break
+            if self.scheduler.has_work():
+                self.step()
+            elif self._pending:
+                self._publish()
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out) if not out.is_empty else []
+        self.step_count += 1
+        for seq in self.scheduler.update(out, sampled):
+            self._pending.append(self._output(seq, seq.token_ids[-1:]))
+            if seq.finish_reason is not None:
+                self.sampler.forget(seq.request_id)
+        self._stats.generated_tokens_total += len(sampled)
+        self._publish()
+
+    def _output(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _publish(self) -> None:
+        scheduler = self.scheduler
+        pool = scheduler.kv.pool
+        stats = self._stats
+        stats.running = len(scheduler.running)
+        stats.prefilling = scheduler.num_prefilling
+        stats.waiting = len(scheduler.waiting)
+        stats.kv_pages_used = pool.num_used
+        stats.kv_pages_cached = pool.num_cached
+        stats.preemptions_total = scheduler.num_preemptions
+        stats.cached_tokens_total = scheduler.num_cached_tokens_total
+        stats.steps_total = self.step_count
+        outputs, self._pending = self._pending, []
+        # The output thread encodes later, after this loop has moved on: send a copy.
+        self.emit(StepOutputs(self.step_count, outputs, msgspec.structs.replace(stats)))

@@ -1,0 +1,5 @@
+"""KV cache bookkeeping: pages, reference counts and the prefix cache.
+
+Pure Python (no torch): the tensors live in the model runner; this package
+decides which page holds which tokens.
+"""

@@ -1,0 +1,134 @@
+"""A fixed pool of KV pages with reference counts and an LRU prefix cache.
+
+Every page is in exactly one of three states:
+- free: never filled or hash dropped; handed out first;
+- cached: full, hashed, no sequence holds it; reusable by a prefix hit, and
+  evicted in LRU order when free pages run out;
+- in use: held by one or more sequences (ref count > 0).
+check_invariants() verifies free + cached + in use == total.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1:
+            raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._ref_counts = [0] * num_pages
+        self._hashes: list[bytes | None] = [None] * num_pages
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        # Least recently used first.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Pages that allocate() can hand out now (free plus evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def is_idle(self, page: int) -> bool:
+        """True for a cached page that no sequence holds."""
+        return self._ref_counts[page] == 0
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise PoolExhausted(f"asked for {count} KV pages, {self.num_free} available")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._cached.popitem(last=False)
+                self._forget(page)
+            self._ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def lookup(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
+        """The page holding exactly these tokens after this hash chain, if cached."""
+        page = self._by_hash.get(page_hash)
+        if page is None or self._tokens[page] != tuple(tokens):
+            return None
+        return page
+
+    def acquire(self, pages: Iterable[int]) -> None:
+        """Take a reference on pages found by lookup()."""
+        for page in pages:
+            if self._ref_counts[page] == 0:
+                del self._cached[page]
+            self._ref_counts[page] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop a reference on each page; the caller passes a sequence's pages in
+        reverse so its tail pages are evicted before its shared prefix."""
+        for page in pages:
+            count = self._ref_counts[page] - 1
+            if count < 0:
+                raise AssertionError(f"KV page {page} released more often than taken")
+            self._ref_counts[page] = count
+            if count == 0:
+                if self._hashes[page] is not None:
+                    self._cached[page] = None
+                else:
+                    self._free.append(page)
+
+    def register(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
+        """Record a page that just became full so later prompts can reuse it."""
+        if self._hashes[page] is not None or page_hash in self._by_hash:
+            # Already registered, or another sequence computed the same content
+            # first: keep the first copy and let this one be freed plainly.
+            return
+        self._hashes[page] = page_hash
+        self._tokens[page] = tuple(tokens)
+        self._by_hash[page_hash] = page
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (no sequence holds any of them)."""
+        while self._cached:
+            page, _ = self._cached.popitem(last=False)
+            self._forget(page)
+            self._free.append(page)
+
+    def _forget(self, page: int) -> None:
+        page_hash = self._hashes[page]
+        if page_hash is not None:
+            del self._by_hash[page_hash]
+        self._hashes[page] = None
+        self._tokens[page] = None
+
+    def check_invariants(self) -> None:
+        in_use = sum(1 for count in self._ref_counts if count > 0)
+        free = set(self._free)
+        cached = set(self._cached)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not free & cached, "a page is both free and cached"
+        assert len(free) + len(cached) + in_use == self.num_pages, (
+            f"free {len(free)} + cached {len(cached)} + in use {in_use} != total {self.num_pages}"
+        )
+        for page in free | cached:
+            assert self._ref_counts[page] == 0, f"page {page} is free/cached with references"
+        for page in cached:
+            assert self._hashes[page] is not None, f"cached page {page} has no hash"
+        for page_hash, page in self._by_hash.items():
+            assert self._hashes[page] == page_hash, f"hash index of page {page} is stale"
+        for page in free:
+            assert self._hashes[page] is None, f"free page {page} still has a hash"

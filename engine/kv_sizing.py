@@ -1,0 +1,64 @@
+"""How many KV pages the engine allocates, and the context it can serve."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+# On the CPU path the KV pool lives in RAM; by default it takes at most this
+# share of the memory available at start-up, capped at CPU_KV_CAP_BYTES.
+CPU_KV_SHARE = 0.25
+CPU_KV_CAP_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    num_pages: int
+    page_size: int
+    max_context: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
+
+
+def plan_kv(
+    *,
+    page_size: int,
+    bytes_per_token: int,
+    trained_context: int,
+    requested_context: int,
+    requested_capacity: int,
+    max_concurrency: int,
+) -> KvPlan:
+    """Size the pool: an explicit capacity wins; otherwise every lane gets the
+    full context when memory allows, and never less than one full context."""
+    if requested_context > trained_context:
+        raise ValueError(
+            f"--max-context {requested_context} is beyond the model's trained context of "
+            f"{trained_context} tokens; positions past it have no rotary table"
+        )
+    max_context = requested_context or trained_context
+    if requested_capacity:
+        capacity = requested_capacity
+        if capacity < max_context:
+            log.warning(
+                "KV capacity %d tokens is below the context %d: serving a context of %d",
+                capacity, max_context, capacity,
+            )
+            max_context = capacity
+    else:
+        budget = min(psutil.virtual_memory().available * CPU_KV_SHARE, CPU_KV_CAP_BYTES)
+        fits = int(budget // bytes_per_token)
+        capacity = max(max_context, min(fits, max_concurrency * max_context))
+    num_pages = -(-capacity // page_size)
+    return KvPlan(num_pages, page_size, max_context, bytes_per_token)

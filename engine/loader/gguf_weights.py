@@ -1,0 +1,127 @@
+"""Weights from a GGUF file (llama.cpp's format), dequantized to HF-layout tensors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from engine.models import model_class
+from engine.models.config import ModelConfig
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that ModelConfig.from_gguf reads as settings rather than weights.
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+_PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+
+
+class GGUFCheckpoint:
+    """One .gguf file: its ModelConfig and its tensors under Hugging Face names."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except (ValueError, IndexError, OSError) as exc:
+            raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+        self.config = ModelConfig.from_gguf(self.reader)
+        self.size_bytes = path.stat().st_size
+        self._unpermute_qk = model_class(self.config.architecture).gguf_permuted_qk
+        _check_tensor_types(self.reader, path)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
+        """(HF name, float CPU tensor shaped like the HF weight, fraction of bytes read)."""
+        total = sum(int(t.n_bytes) for t in self.reader.tensors) or 1
+        done = 0
+        for tensor in self.reader.tensors:
+            done += int(tensor.n_bytes)
+            if tensor.name in _CONFIG_TENSORS:
+                continue
+            name = hf_name(tensor.name)
+            array = _to_numpy(tensor)
+            if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+                array = unpermute_rows(array, self.config.num_heads)
+            elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+                array = unpermute_rows(array, self.config.num_kv_heads)
+            yield name, torch.from_numpy(array), done / total
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; ValueError for unknown tensors."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's q/k row permutation (weights or biases).
+
+    Per head, the converter moved rotate_half's pairs (i, i + D/2) next to
+    each other; reading the rows as (head, D/2, 2) and swapping the last two
+    axes restores the HF order.
+    """
+    half = weight.shape[0] // num_heads // 2
+    restored = weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(2, 1)
+    return np.ascontiguousarray(restored.reshape(weight.shape))
+
+
+def _to_numpy(tensor: ReaderTensor) -> np.ndarray:
+    if tensor.tensor_type == GGMLQuantizationType.F16:
+        # Kept in float16: the copy into the model converts, with no float32 detour.
+        array = tensor.data
+    else:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    # Plain types come back as views of the read-only memory map; torch needs
+    # a writable array, and one tensor-sized copy at a time is cheap.
+    return np.require(array, requirements=("C", "W"))
+
+
+def _check_tensor_types(reader: GGUFReader, path: Path) -> None:
+    for qtype in {t.tensor_type for t in reader.tensors}:
+        if not _can_dequantize(qtype):
+            names = [t.name for t in reader.tensors if t.tensor_type == qtype][:3]
+            raise ValueError(
+                f"{path.name}: GGUF tensor type {qtype.name} (e.g. {', '.join(names)}) cannot be "
+                "dequantized; use a file quantized as F16/BF16/Q8_0/Q4_0/Q4_1/Q5_x or a K-quant"
+            )
+
+
+def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    if qtype in _PLAIN_TYPES:
+        return True
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    # gguf has no public list of what it can dequantize: try one zero block.
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True

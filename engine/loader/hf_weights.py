@@ -1,0 +1,96 @@
+"""Weights from a Hugging Face directory: config.json plus *.safetensors (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory: its ModelConfig and its safetensors tensors."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory
+        self.config = ModelConfig.from_hf_config(read_hf_config(directory))
+        self.files = safetensors_files(directory)
+        self.size_bytes = sum(f.stat().st_size for f in self.files)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
+        """(HF name, CPU tensor as stored, fraction of bytes read)."""
+        total = self.size_bytes or 1
+        done = 0
+        for file in self.files:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    if _is_ignored(name, self.config):
+                        continue
+                    tensor = handle.get_tensor(name)
+                    done += tensor.nbytes
+                    yield name, tensor, min(done / total, 1.0)
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    """config.json, with generation_config.json's end-of-sequence ids merged in.
+
+    Instruct models often list their turn-end token (Llama 3's <|eot_id|>)
+    only in generation_config.json, and generation must stop on it too.
+    """
+    config_path = directory / "config.json"
+    try:
+        cfg = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{directory} has no config.json; point at a Hugging Face model directory"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():
+        extra = json.loads(generation_path.read_text()).get("eos_token_id")
+        if extra is not None:
+            cfg["eos_token_id"] = _as_list(cfg.get("eos_token_id")) + _as_list(extra)
+    return cfg
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files: those named by the shard index, else every *.safetensors."""
+    index_path = directory / _INDEX_FILE
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(
+                f"{directory}: shards listed in {_INDEX_FILE} are missing: {', '.join(missing)}"
+            )
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{directory} has no *.safetensors weights; convert .bin/.pt checkpoints to safetensors "
+            "or use a GGUF file"
+        )
+    return files
+
+
+def _is_ignored(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints saved RoPE's inverse frequencies as buffers; some tied
+    # checkpoints still carry a copy of the embedding as lm_head.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

@@ -1,0 +1,102 @@
+"""Engine process start-up: connect, load, size KV, handshake, serve.
+
+Exit status: 0 after a Shutdown; 1 after an engine-wide failure, which is first
+reported to the router as EngineDead (with the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.ipc import EngineSockets
+from engine.parent_watch import die_with_parent
+from protocol import EngineDead, LoadProgress
+
+log = logging.getLogger("engine")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--input", required=True, help="ZMQ address to receive commands on")
+    parser.add_argument("--output", required=True, help="ZMQ address to send events to")
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--name", default="", help="model id, for log lines")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-context", type=int, default=0)
+    parser.add_argument("--kv-capacity", type=int, default=0)
+    parser.add_argument("--output-window", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    config = EngineConfig(
+        model_path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_concurrency=args.max_concurrency,
+        max_batched_tokens=args.max_batched_tokens,
+        max_context=args.max_context,
+        kv_capacity_tokens=args.kv_capacity,
+        output_window=args.output_window,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    return config, args
+
+
+class ProgressReporter:
+    """Forwards load progress to the router and the log, about every 5%."""
+
+    def __init__(self, sockets: EngineSockets):
+        self._sockets = sockets
+        self._last = -1.0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        if fraction < 1.0 and fraction - self._last < 0.05:
+            return
+        self._last = fraction
+        log.info("loading %3.0f%% %s", fraction * 100, message)
+        self._sockets.emit(LoadProgress(fraction, message))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s engine: %(message)s",
+    )
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
+    sockets = EngineSockets(args.input, args.output)
+    sockets.start_output()
+    try:
+        # Imported here so a bad argument fails before torch's import cost.
+        from engine.bootstrap import build_engine
+
+        started = time.monotonic()
+        core, ready = build_engine(config, ProgressReporter(sockets), sockets.emit)
+        ready.load_seconds = time.monotonic() - started
+        sockets.emit(ready)
+        log.info("ready in %.1fs (pid %d)", ready.load_seconds, os.getpid())
+        sockets.start_input()
+        core.run(sockets.commands)
+    except Exception as exc:
+        log.exception("engine failed")
+        sockets.emit(EngineDead(message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+        sockets.close()
+        return 1
+    sockets.close()
+    log.info("shut down")
+    return 0

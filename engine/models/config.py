@@ -1,0 +1,268 @@
+"""ModelConfig: the shape of a decoder-only model, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gguf.quants import dequantize
+
+from kernels.reference import SUPPORTED_ROPE_TYPES
+
+# Keys a rope scaling dict of each type must carry.
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "freq_factors": ("factors",),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # HF class name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None, or {"rope_type": "linear" | "llama3" | "freq_factors", ...}; see
+    # kernels.reference.rope_inverse_frequencies for the keys of each type.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # biases on the q/k/v projections
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # Bias on the attention output projection (Llama's and Qwen3's attention_bias).
+    o_proj_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} KV heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope scaling type {rope_type!r} is not supported (supported: none, "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it"
+                )
+            missing = [key for key in _ROPE_KEYS[rope_type] if key not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
+
+    # -- derived values -------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_size(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V, all layers, that one cached token takes."""
+        return 2 * self.num_layers * self.kv_size * dtype.itemsize
+
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+        """Shape of each layer's k_cache and v_cache tensor."""
+        return (num_pages, page_size, self.num_kv_heads, self.head_dim)
+
+    # -- readers --------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+        try:
+            return cls._from_hf_config(cfg)
+        except KeyError as exc:
+            raise ValueError(
+                f"config.json lacks {exc.args[0]!r}; the model config is incomplete"
+            ) from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        # Imported here: the registry imports the model classes, which import this module.
+        from engine.models import model_class
+
+        architectures = cfg.get("architectures") or []
+        if not architectures:
+            raise ValueError(
+                "config.json has no 'architectures' entry; it does not name the model class"
+            )
+        architecture = architectures[0]
+        traits = model_class(architecture).hf_traits(cfg)
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        theta, scaling = _hf_rope(cfg)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=_hf_context_length(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=traits.qkv_bias,
+            qk_norm=traits.qk_norm,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
+            o_proj_bias=traits.o_proj_bias,
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> ModelConfig:
+        """Read the metadata of a gguf.GGUFReader."""
+        from engine.models import gguf_architecture
+
+        meta = _GGUFFields(reader)
+        arch = meta.architecture
+        architecture = gguf_architecture(arch)
+        hidden = int(meta.get(f"{arch}.embedding_length"))
+        num_heads = int(meta.get(f"{arch}.attention.head_count"))
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+        value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
+        rotary_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        if value_dim != head_dim or rotary_dim != head_dim:
+            raise ValueError(
+                f"GGUF has key/value/rotary sizes {head_dim}/{value_dim}/{rotary_dim}; "
+                "only models with one head size and full rotary embeddings are supported"
+            )
+        eos = [meta.get(f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom")]
+        return cls(
+            architecture=architecture,
+            vocab_size=meta.vocab_size(),
+            hidden_size=hidden,
+            intermediate_size=int(meta.get(f"{arch}.feed_forward_length")),
+            num_layers=int(meta.get(f"{arch}.block_count")),
+            num_heads=num_heads,
+            num_kv_heads=meta.uniform_int(f"{arch}.attention.head_count_kv", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=meta.rope_scaling(),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length")),
+            tie_word_embeddings=not meta.has_tensor("output.weight"),
+            attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
+            qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=_id_tuple([i for i in eos if i is not None]),
+            o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
+        )
+
+
+def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(dict.fromkeys(int(i) for i in value))
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5 "rope_parameters" or 4's rope_theta/rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if cfg.get("rope_scaling"):
+        params = {**params, **cfg["rope_scaling"]}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    scaling = {
+        k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")
+    }
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _hf_context_length(cfg: dict[str, Any]) -> int:
+    context = int(cfg.get("max_position_embeddings", 2048))
+    # Sliding-window attention is not implemented; within one window it equals
+    # full attention, so such models (Mistral v0.1) are served up to the window.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window:
+        context = min(context, int(window))
+    return context
+
+
+_REQUIRED = object()
+
+
+class _GGUFFields:
+    """Typed access to a GGUFReader's metadata, with errors that name the key."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self._tensor_names = {tensor.name for tensor in reader.tensors}
+        self.architecture = str(self.get("general.architecture"))
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(
+                    f"GGUF metadata lacks {key!r}; the file is incomplete or not a language model"
+                )
+            return default
+        return field.contents()
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensor_names
+
+    def uniform_int(self, key: str, default: int) -> int:
+        # Some converters write per-layer lists (e.g. KV heads); we need one value.
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ValueError(
+                    f"GGUF {key} varies per layer ({sorted(set(value))}); not supported"
+                )
+            value = value[0]
+        return int(value)
+
+    def vocab_size(self) -> int:
+        size = self.get(f"{self.architecture}.vocab_size", None)
+        if size is not None:
+            return int(size)
+        for tensor in self._reader.tensors:
+            if tensor.name == "token_embd.weight":
+                return int(tensor.shape[-1])  # GGML dims are reversed: (hidden, vocab)
+        raise ValueError("GGUF has neither a vocab_size entry nor a token_embd.weight tensor")
+
+    def rope_scaling(self) -> dict | None:
+        arch = self.architecture
+        kind = self.get(f"{arch}.rope.scaling.type", "none")
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self.get(f"{arch}.rope.scaling.factor"))}
+        if kind != "none":
+            raise ValueError(
+                f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear)"
+            )
+        for tensor in self._reader.tensors:
+            # llama.cpp's converter bakes Llama 3.1 rope scaling into per-frequency divisors.
+            if tensor.name == "rope_freqs.weight":
+                factors = dequantize(tensor.data, tensor.tensor_type).ravel()
+                return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+        return None

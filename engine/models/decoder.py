@@ -1,0 +1,247 @@
+"""The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families.
+
+Pre-norm blocks: RMSNorm -> attention (fused q/k/v, RoPE, paged KV) -> residual
+-> RMSNorm -> SwiGLU MLP (fused gate/up) -> residual. The residual add is
+fused into the following norm (add_rms_norm), as between-layer kernels do.
+
+Weights are allocated empty on the target device and filled in place by the
+loaders through weight_destinations(), which names every slot by its Hugging
+Face tensor name, so a checkpoint never exists twice in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.models.config import ModelConfig
+from kernels.reference import (
+    add_rms_norm,
+    apply_rope,
+    build_rope_cache,
+    paged_attention,
+    rms_norm,
+    silu_and_mul,
+    write_kv_cache,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionTraits:
+    """What an architecture adds to plain attention, read from its config.json."""
+
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+
+
+def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.scale = config.head_dim**-0.5
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.qkv_weight = _weight(config.qkv_size, config.hidden_size, **kw)
+        self.qkv_bias = _weight(config.qkv_size, **kw) if config.attention_bias else None
+        self.o_weight = _weight(config.hidden_size, config.q_size, **kw)
+        self.o_bias = _weight(config.hidden_size, **kw) if config.o_proj_bias else None
+        self.q_norm_weight = _weight(config.head_dim, **kw) if config.qk_norm else None
+        self.k_norm_weight = _weight(config.head_dim, **kw) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rope_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.config
+        tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm_weight is not None:
+            q = rms_norm(q, self.q_norm_weight, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm_weight, cfg.rms_norm_eps)
+        q, k = apply_rope(positions, q, k, rope_cache)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc_host,
+            meta.seq_lens_host,
+            meta.block_tables,
+            self.scale,
+        )
+        return F.linear(out.view(tokens, cfg.q_size), self.o_weight, self.o_bias)
+
+    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+        q, kv = self.config.q_size, self.config.kv_size
+        slices = {
+            "q_proj": slice(0, q),
+            "k_proj": slice(q, q + kv),
+            "v_proj": slice(q + kv, q + 2 * kv),
+        }
+        dests = {f"{prefix}.{name}.weight": self.qkv_weight[rows] for name, rows in slices.items()}
+        if self.qkv_bias is not None:
+            dests.update(
+                {f"{prefix}.{name}.bias": self.qkv_bias[rows] for name, rows in slices.items()}
+            )
+        dests[f"{prefix}.o_proj.weight"] = self.o_weight
+        if self.o_bias is not None:
+            dests[f"{prefix}.o_proj.bias"] = self.o_bias
+        if self.q_norm_weight is not None:
+            dests[f"{prefix}.q_norm.weight"] = self.q_norm_weight
+            dests[f"{prefix}.k_norm.weight"] = self.k_norm_weight
+        return dests
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size, **kw)
+        self.down_weight = _weight(config.hidden_size, config.intermediate_size, **kw)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+
+    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+        size = self.intermediate_size
+        return {
+            f"{prefix}.gate_proj.weight": self.gate_up_weight[:size],
+            f"{prefix}.up_proj.weight": self.gate_up_weight[size:],
+            f"{prefix}.down_proj.weight": self.down_weight,
+        }
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
+        self.self_attn = Attention(config, device, dtype)
+        self.post_attention_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
+        self.mlp = MLP(config, device, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rope_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before it); the next
+        layer's input norm (or the final norm) adds the two."""
+        if residual is None:
+            residual = hidden
+            hidden = rms_norm(hidden, self.input_norm_weight, self.eps)
+        else:
+            hidden, residual = add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, positions, meta, kv_cache, rope_cache)
+        hidden, residual = add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
+        return self.mlp(hidden), residual
+
+    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.input_layernorm.weight": self.input_norm_weight,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_norm_weight,
+            **self.self_attn.weight_destinations(f"{prefix}.self_attn"),
+            **self.mlp.weight_destinations(f"{prefix}.mlp"),
+        }
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a paged KV cache.
+
+    Subclasses (one file per architecture) say how their config.json maps to
+    attention traits and how their GGUF tensors were laid out.
+    """
+
+    # general.architecture of GGUF files holding this model, if any.
+    gguf_architecture: ClassVar[str | None] = None
+    # llama.cpp's converter interleaves the rows of attn_q/attn_k for some families.
+    gguf_permuted_qk: ClassVar[bool] = False
+
+    @classmethod
+    def hf_traits(cls, cfg: dict[str, Any]) -> AttentionTraits:
+        bias = bool(cfg.get("attention_bias", False))
+        return AttentionTraits(qkv_bias=bias, o_proj_bias=bias, qk_norm=False)
+
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device, dtype) for _ in range(config.num_layers)
+        )
+        self.norm_weight = _weight(config.hidden_size, **kw)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, **kw)
+        )
+        rope = build_rope_cache(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            device,
+            dtype,
+        )
+        self.register_buffer("rope_cache", rope, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T]; kv_caches[layer] = (k_cache, v_cache),
+        each [P, S, Hkv, D] in the model dtype. Writes the new tokens' K/V at
+        meta.slot_mapping and returns the final-normed hidden states [T, H]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, meta, kv_cache, self.rope_cache)
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> float32 [N, vocab_size]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def weight_destinations(self) -> dict[str, torch.Tensor]:
+        """Every weight slot (a parameter or a row slice of a fused one) by its
+        Hugging Face tensor name; a tied lm_head has no slot of its own."""
+        dests = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.norm_weight,
+        }
+        if not self.config.tie_word_embeddings:
+            dests["lm_head.weight"] = self.lm_head
+        for index, layer in enumerate(self.layers):
+            dests.update(layer.weight_destinations(f"model.layers.{index}"))
+        return dests

@@ -1,0 +1,97 @@
+"""Turns the last-position logits of a batch into one token per row.
+
+Greedy rows take the argmax. Sampled rows apply penalties, temperature, then
+top-k, top-p and min-p on one sorted copy of the batch, and draw from what is
+left. A request with a seed draws from its own generator, so its tokens do not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._seeded.pop(request_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self._shared
+        generator = self._seeded.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seq.params.seed)
+            self._seeded[seq.request_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        """logits: float32 [N, vocab], row i belongs to seqs[i]."""
+        self._apply_penalties(logits, seqs)
+        result = logits.argmax(dim=-1)
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            chosen = self._draw(logits.index_select(0, rows), [seqs[i] for i in sampled_rows])
+            result.index_copy_(0, rows, chosen)
+        return result.tolist()
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if not params.has_penalties:
+                continue
+            if params.repetition_penalty != 1.0:
+                # Prompt and output tokens alike, as llama.cpp and transformers do:
+                # divide positive logits, multiply negative ones.
+                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+                values = logits[row, seen]
+                logits[row, seen] = torch.where(
+                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                )
+            output = seq.output_token_ids
+            if output and (params.presence_penalty or params.frequency_penalty):
+                # OpenAI's definition: only generated tokens count.
+                counts = torch.bincount(
+                    torch.tensor(output, device=logits.device), minlength=logits.shape[1]
+                ).to(logits.dtype)
+                logits[row] -= counts * params.frequency_penalty
+                logits[row] -= (counts > 0).to(logits.dtype) * params.presence_penalty
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+
+        top_k = torch.tensor(
+            [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device
+        )
+        drop = ranks >= top_k.unsqueeze(1)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+        # Keep the smallest prefix whose mass reaches top_p: a token is dropped
+        # when the mass before it already does.
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+        drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        probs = probs.masked_fill(drop, 0.0)
+
+        picks = torch.empty(len(seqs), dtype=torch.long, device=device)
+        for row, seq in enumerate(seqs):
+            picks[row] = torch.multinomial(probs[row], 1, generator=self._generator(seq))[0]
+        return order.gather(1, picks.unsqueeze(1)).squeeze(1)

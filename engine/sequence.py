@@ -1,0 +1,73 @@
+"""One request as the scheduler sees it: tokens, pages and progress."""
+
+from __future__ import annotations
+
+import enum
+
+from protocol import FinishReason, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "block_hashes",
+        "block_table",
+        "finish_reason",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "params",
+        "request_id",
+        "reserved_pages",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        # Hashes of this sequence's full pages, in order (a chain).
+        self.block_hashes: list[bytes] = []
+        # Tokens whose K/V are in the cache.
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at first admission.
+        self.num_cached_tokens = 0
+        # Pages this sequence may grow into without preemption (see KVManager).
+        self.reserved_pages = 0
+        self.finish_reason: FinishReason | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, pages={len(self.block_table)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the newest token still needs computing."""
+        return self.num_uncomputed_tokens > 1

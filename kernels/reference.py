@@ -1,0 +1,221 @@
+"""Torch reference implementations of the model ops.
+
+Pure torch and device-agnostic: they run on the CPU path of the engine and are
+the references that CUDA kernels are compared with. Shapes use T for tokens in
+the flat batch, Hq/Hkv for query/key-value heads, D for the head size, P for
+cache pages and S for the page size. Reductions (norm variance, softmax,
+attention accumulation) run in float32 whatever the activation dtype.
+
+The numerics follow Hugging Face transformers operation by operation (the
+order of casts included) so that float32 models give the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ROPE_TYPES = ("linear", "llama3", "freq_factors")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    x: [..., H] in the activation dtype; weight: [H] in the model dtype.
+    Returns [..., H]. Normalizes in float32, casts back to x's dtype and only
+    then scales by weight, as transformers does (it matters for bf16).
+    """
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused residual form used between sublayers.
+
+    x, residual: [..., H], same dtype; weight: [H].
+    Returns (rms_norm(x + residual), x + residual): the input of the next
+    sublayer and the new residual stream.
+    """
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """float32 [D/2] rotary inverse frequencies with the given scaling.
+
+    scaling: None, {"rope_type": "linear", "factor"}, {"rope_type": "llama3",
+    "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"} or {"rope_type": "freq_factors",
+    "factors": [D/2 floats]} (llama.cpp's rope_freqs tensor: each frequency is
+    divided by its factor; GGUF conversions store llama3 scaling this way).
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope freq factors have {factors.numel()} entries, expected {inv_freq.numel()}"
+            )
+        return inv_freq / factors
+    if rope_type == "llama3":
+        return _llama3_inverse_frequencies(inv_freq, scaling)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+    )
+
+
+def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept,
+    # and the band between is blended linearly in 1/wavelength.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def build_rope_cache(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    scaling: dict | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The cos/sin table for positions 0..max_positions-1.
+
+    Returns [max_positions, D]: cos of the D/2 frequencies in the first half,
+    sin in the second. Angles are computed in float32 exactly as transformers
+    does (position * inv_freq) and rounded to dtype once, so pass the model
+    dtype: apply_rope then multiplies in the activation dtype as HF does.
+    """
+    inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    angles = positions[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)
+
+
+def apply_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in the NeoX / rotate_half convention (transformers').
+
+    positions: int64 [T]; q: [T, Hq, D]; k: [T, Hkv, D]; cos_sin_cache from
+    build_rope_cache, in q's dtype. Returns new rotated (q, k), same shapes.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same products and sums as HF's x * cos + rotate_half(x) * sin, so the
+    # result is bitwise equal to it, in low precision dtypes too.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation on a fused gate/up projection.
+
+    x: [..., 2 * I] with the gate in the first half. Returns [..., I].
+    """
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the new tokens' keys and values in the paged cache, in place.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D], contiguous, same
+    dtype as k/v; slot_mapping: int64 [T], slot = page * S + offset, every
+    slot valid (>= 0) and distinct.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc_host: Sequence[int],
+    seq_lens_host: Sequence[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a flat batch over a paged KV cache.
+
+    q: [T, Hq, D], Hq a multiple of Hkv (query head h reads kv head
+    h // (Hq / Hkv)); k_cache, v_cache: [P, S, Hkv, D]; block_tables: int32
+    [B, max_pages]. Sequence b owns rows query_start_loc_host[b]:[b + 1];
+    its q_len new tokens are the last q_len of its seq_lens_host[b] cached
+    tokens, so row i sees cached tokens 0 .. seq_len - q_len + i. Decode rows
+    (q_len 1) and prefill chunks over a cached prefix mix freely. The K/V of
+    the new tokens must already be in the cache (write_kv_cache first).
+    Returns [T, Hq, D] in q's dtype; scores, softmax and sums in float32.
+    """
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens_host):
+        start, end = query_start_loc_host[b], query_start_loc_host[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        pages = block_tables[b, : -(-seq_len // page_size)]
+        keys = _gather_pages(k_cache, pages, seq_len)
+        values = _gather_pages(v_cache, pages, seq_len)
+        queries = q[start:end].transpose(0, 1).float()
+        mask, is_causal = _causal_mask(q_len, seq_len, q.device)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attended.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, Hkv, D] rows of the pages in order -> float32 [Hkv, seq_len, D]."""
+    rows = cache.index_select(0, pages).flatten(0, 1)[:seq_len]
+    return rows.transpose(0, 1).float()
+
+
+def _causal_mask(
+    q_len: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    # SDPA's is_causal aligns the mask top-left, which is only right when the
+    # queries cover the whole sequence; a chunk over a cached prefix needs the
+    # bottom-right alignment spelled out. A single query sees everything.
+    if q_len == 1:
+        return None, False
+    if q_len == seq_len:
+        return None, True
+    offset = seq_len - q_len
+    query_pos = torch.arange(offset, seq_len, device=device)[:, None]
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    return key_pos <= query_pos, False

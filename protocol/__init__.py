@@ -1,0 +1,52 @@
+"""Messages between the router and its engine processes.
+
+msgspec Structs only; this package depends on msgspec and the standard library
+alone, so both sides (and tests) can import it cheaply.
+"""
+
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    EngineDead,
+    EngineEvent,
+    EngineStats,
+    Generate,
+    KvFacts,
+    LoadProgress,
+    ModelFacts,
+    Ready,
+    RequestError,
+    RequestOutput,
+    RouterCommand,
+    Shutdown,
+    StepOutputs,
+    command_decoder,
+    encoder,
+    event_decoder,
+)
+from protocol.sampling import FinishReason, SamplingParams
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "EngineDead",
+    "EngineEvent",
+    "EngineStats",
+    "ErrorCode",
+    "FinishReason",
+    "Generate",
+    "KvFacts",
+    "LoadProgress",
+    "ModelFacts",
+    "Ready",
+    "RequestError",
+    "RequestOutput",
+    "RouterCommand",
+    "SamplingParams",
+    "Shutdown",
+    "StepOutputs",
+    "command_decoder",
+    "encoder",
+    "event_decoder",
+]

@@ -1,0 +1,146 @@
+"""The router<->engine messages: one tagged union per direction.
+
+Router -> engine: RouterCommand (Generate, Abort, Shutdown).
+Engine -> router: EngineEvent (LoadProgress, Ready, StepOutputs, RequestError,
+EngineDead).
+
+Every Struct is array_like (encoded as a msgpack array, no field names on the
+wire) and tagged with a short string, so a decoder typed with the union picks
+the right class. The engine sends one StepOutputs per step carrying every
+request's new token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.sampling import FinishReason, SamplingParams
+
+# Bumped whenever a message changes shape; Ready carries the engine's value and
+# the router refuses an engine that speaks another one.
+PROTOCOL_VERSION = 1
+
+_STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
+
+
+# ---- router -> engine ---------------------------------------------------------
+
+
+class Generate(msgspec.Struct, tag="gen", **_STRUCT):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag="abort", **_STRUCT):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
+    pass
+
+
+RouterCommand = Generate | Abort | Shutdown
+
+
+# ---- engine -> router ---------------------------------------------------------
+
+
+class ModelFacts(msgspec.Struct, **_STRUCT):
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_params: int
+    size_bytes: int
+    dtype: str
+    device: str
+    eos_token_ids: list[int] = []
+
+
+class KvFacts(msgspec.Struct, **_STRUCT):
+    page_size: int
+    num_pages: int
+    max_context: int
+    max_concurrency: int
+    max_batched_tokens: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.page_size * self.num_pages
+
+
+class LoadProgress(msgspec.Struct, tag="progress", **_STRUCT):
+    fraction: float
+    message: str
+
+
+class Ready(msgspec.Struct, tag="ready", **_STRUCT):
+    protocol_version: int
+    pid: int
+    model: ModelFacts
+    kv: KvFacts
+    load_seconds: float
+
+
+class RequestOutput(msgspec.Struct, **_STRUCT):
+    request_id: str
+    # Tokens sampled for this request in this step (empty while prefilling).
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens served from the prefix cache instead of computed.
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, **_STRUCT):
+    running: int = 0
+    prefilling: int = 0
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_cached: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    preemptions_total: int = 0
+    steps_total: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag="step", **_STRUCT):
+    step: int
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class RequestError(msgspec.Struct, tag="error", **_STRUCT):
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
+    message: str
+    traceback: str = ""
+
+
+EngineEvent = LoadProgress | Ready | StepOutputs | RequestError | EngineDead
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def command_decoder() -> msgspec.msgpack.Decoder[RouterCommand]:
+    return msgspec.msgpack.Decoder(RouterCommand)
+
+
+def event_decoder() -> msgspec.msgpack.Decoder[EngineEvent]:
+    return msgspec.msgpack.Decoder(EngineEvent)

@@ -1,0 +1,164 @@
+"""The router's end of one engine's sockets.
+
+The router binds two ipc:// sockets per engine (PUSH for commands, PULL for
+events) before starting the process, so nothing is lost however the start-up
+races. One reader task decodes events and routes each request's outputs to its
+own queue; the busy loop on the other side sends one StepOutputs per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protocol import (
+    Abort,
+    EngineDead,
+    EngineStats,
+    Generate,
+    LoadProgress,
+    Ready,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+    StepOutputs,
+    encoder,
+    event_decoder,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(Exception):
+    """The engine died or refused a request; `code` says which."""
+
+    def __init__(self, message: str, code: str = "engine_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+class RequestStream:
+    """Outputs of one request, in order, ending at its finish reason."""
+
+    def __init__(self, client: EngineClient, request_id: str):
+        self._client = client
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | EngineFailure) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, EngineFailure):
+                self.finished = True
+                self._client._forget(self.request_id)
+                raise item
+            if item.finish_reason is not None:
+                self.finished = True
+                self._client._forget(self.request_id)
+            yield item
+
+    def abort(self) -> None:
+        """Ask the engine to stop this request; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._client.abort([self.request_id])
+
+
+class EngineClient:
+    def __init__(self, run_dir: Path, name: str):
+        self._context = zmq.asyncio.Context.instance()
+        self.input_address = f"ipc://{run_dir}/{name}-in"
+        self.output_address = f"ipc://{run_dir}/{name}-out"
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.bind(self.input_address)
+        self._events = self._context.socket(zmq.PULL)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.bind(self.output_address)
+        self._encode = encoder().encode
+        self._streams: dict[str, RequestStream] = {}
+        self.stats = EngineStats()
+        self.ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self.dead: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.on_progress: Callable[[LoadProgress], None] | None = None
+        self._reader = asyncio.create_task(self._read_events(), name=f"engine-events-{name}")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        if self.dead.done():
+            raise EngineFailure(f"the engine is not running: {self.dead.result()}")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._send(Generate(request_id, prompt_token_ids, params))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        if not self.dead.done():
+            self._send(Abort(request_ids))
+
+    def shutdown(self) -> None:
+        if not self.dead.done():
+            self._send(Shutdown())
+
+    def _send(self, message: Generate | Abort | Shutdown) -> None:
+        # The engine reads continuously, so the send completes at once; the
+        # returned future needs no waiting (and abort() runs in finally blocks
+        # of cancelled handlers, where waiting is not an option).
+        self._commands.send(self._encode(message), copy=False)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def _read_events(self) -> None:
+        decode = event_decoder().decode
+        while True:
+            frame = await self._events.recv(copy=False)
+            event = decode(frame.buffer)
+            if isinstance(event, StepOutputs):
+                self.stats = event.stats
+                for output in event.outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream._put(output)
+            elif isinstance(event, RequestError):
+                stream = self._streams.pop(event.request_id, None)
+                if stream is not None:
+                    stream._put(EngineFailure(event.message, code=str(event.code)))
+            elif isinstance(event, LoadProgress):
+                if self.on_progress is not None:
+                    self.on_progress(event)
+            elif isinstance(event, Ready):
+                if not self.ready.done():
+                    self.ready.set_result(event)
+            elif isinstance(event, EngineDead):
+                log.error("engine reported failure: %s\n%s", event.message, event.traceback)
+                self.fail_all(event.message)
+                return
+
+    def fail_all(self, reason: str) -> None:
+        """The engine is gone: end every open request with an error."""
+        if not self.dead.done():
+            self.dead.set_result(reason)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(EngineFailure(f"the engine failed: {reason}"))
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self._commands.close()
+        self._events.close()

@@ -1,0 +1,112 @@
+"""API errors and the one middleware that turns exceptions into responses.
+
+Handlers raise ApiError; the middleware renders it in the error shape of the
+API family the route belongs to (OpenAI's for /v1/chat/completions and
+friends). Anything else becomes a logged 500 and the server keeps going.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or default_type(status)
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status == 503:
+        return "unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, type="invalid_request_error", code=code, param=param)
+
+
+def openai_error_body(error: ApiError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(openai_error_body(error), status=error.status, headers=error.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        if error.status >= 500:
+            log.warning("%s %s -> %d %s: %s", request.method, request.path, error.status,
+                        error.code, error.message)
+        return error_response(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own errors (unknown route, wrong method) in the API's shape.
+        return error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal server error; see the server log", code="internal_error"))
+
+
+def _param_from_path(path: str) -> str | None:
+    """msgspec reports `$.messages[0].role`; clients want `messages[0].role`."""
+    return path.removeprefix("$").removeprefix(".") or None
+
+
+def decode_body(raw: bytes, struct: type) -> Any:
+    """Parse a JSON request body into a typed Struct, or raise a 400 naming the field."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(raw, type=struct)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        message, _, path = text.partition(" - at `")
+        param = _param_from_path(path.rstrip("`")) if path else None
+        if message.startswith("Object missing required field"):
+            field = message.split("`")[1]
+            param = f"{param}.{field}" if param else field
+            raise invalid(f"missing required parameter '{param}'", param, "missing_required_parameter") from None
+        raise invalid(f"invalid type for '{param}': {message}", param, "invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None

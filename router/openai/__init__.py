@@ -1,0 +1,1 @@
+"""OpenAI-compatible endpoints: Chat Completions, Completions, Models."""

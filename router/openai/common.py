@@ -1,0 +1,137 @@
+"""What the Chat Completions and Completions handlers share: resolving the
+model, checking the prompt against the context, building the generation, and
+the usage object."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from router.engine_client import EngineFailure
+from router.generation import Generation, GenerationInput
+from router.http.errors import ApiError, invalid, openai_error_body
+from router.http.sse import open_event_stream, send_data, send_done
+from router.lifecycle import ModelManager, ModelSlot
+from router.openai.params import (
+    SamplingDefaults,
+    build_sampling,
+    check_max_tokens,
+    stop_strings,
+)
+from router.openai.schemas import SamplingFields
+from router.supervisor import EngineProcess
+from router.text.model_text import ModelText
+
+MANAGER = web.AppKey("manager", ModelManager)
+DEFAULTS = web.AppKey("sampling_defaults", dict)
+
+
+def sampling_defaults(app: web.Application, slot: ModelSlot) -> SamplingDefaults:
+    cache: dict[str, SamplingDefaults] = app[DEFAULTS]
+    overrides = app[MANAGER].config.sampling
+    if slot.id not in cache:
+        cache[slot.id] = SamplingDefaults.for_model(slot.entry.path, overrides)
+    return cache[slot.id]
+
+
+def check_context(prompt_ids: list[int], max_context: int) -> None:
+    if len(prompt_ids) >= max_context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
+            "Please reduce the length of the input.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+
+
+def start_generation(
+    app: web.Application,
+    slot: ModelSlot,
+    engine: EngineProcess,
+    text: ModelText,
+    req: SamplingFields,
+    prompt_ids: list[int],
+    request_id: str,
+    max_tokens: int | None,
+    max_tokens_field: str,
+) -> Generation:
+    check_max_tokens(max_tokens, max_tokens_field)
+    check_context(prompt_ids, slot.max_context)
+    room = slot.max_context - len(prompt_ids)
+    params = build_sampling(
+        req,
+        # Omitted: the rest of the context. Larger than that: generation ends
+        # with finish_reason "length" when the context is full.
+        max_tokens=min(max_tokens or room, room),
+        defaults=sampling_defaults(app, slot),
+        eos_token_ids=text.eos_token_ids,
+    )
+    spec = GenerationInput(prompt_ids, params, stop_strings(req.stop), req.skip_special_tokens)
+    return Generation(engine.client, text, request_id, spec)
+
+
+def usage(generation: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": generation.completion_tokens,
+        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+    }
+
+
+def engine_error(exc: EngineFailure) -> ApiError:
+    """An engine refusal is the client's 400; a dead engine is a 503."""
+    if exc.code == "context_length_exceeded":
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    if exc.code in ("invalid_request", "duplicate_request"):
+        return invalid(str(exc), None, exc.code)
+    return ApiError(503, str(exc), code="engine_failed", headers={"Retry-After": "1"})
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# (text piece or None, finish_reason or None) -> one streamed chunk body.
+ChunkMaker = Callable[[str | None, str | None], dict[str, Any]]
+
+
+async def stream_generation(
+    request: web.Request,
+    generation: Generation,
+    make_chunk: ChunkMaker,
+    *,
+    opening: list[dict[str, Any]],
+    include_usage: bool,
+) -> web.StreamResponse:
+    """Send a generation as server-sent events, OpenAI style: the opening
+    chunks, one chunk per text piece, a chunk with the finish reason, the usage
+    chunk when asked for, then [DONE]. An engine failure mid-stream becomes an
+    error event; a client that leaves aborts the engine request."""
+    response = await open_event_stream(request)
+    try:
+        for body in opening:
+            await send_data(response, body)
+        try:
+            async for piece in generation.pieces():
+                await send_data(response, make_chunk(piece, None))
+        except EngineFailure as exc:
+            await send_data(response, openai_error_body(engine_error(exc)))
+        else:
+            await send_data(response, make_chunk(None, generation.finish_reason))
+            if include_usage:
+                final = make_chunk(None, None)
+                final["choices"] = []
+                final["usage"] = usage(generation)
+                await send_data(response, final)
+        await send_done(response)
+    except ConnectionResetError:
+        pass  # the client left; close() below aborts the engine request
+    finally:
+        generation.close()
+    return response

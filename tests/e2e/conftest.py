@@ -1,0 +1,45 @@
+"""A router over a --models-dir with two real models and a broken one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.server import Server, running_server
+
+
+@pytest.fixture(scope="package")
+def models_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path, tiny_qwen3_dir: Path) -> Path:
+    directory = tmp_path_factory.mktemp("models")
+    (directory / "smollm2.gguf").symlink_to(smollm2_gguf)
+    (directory / "qwen3-tiny").symlink_to(tiny_qwen3_dir, target_is_directory=True)
+    broken = directory / "broken"
+    broken.mkdir()
+    # Loads as far as the engine, which refuses an architecture it doesn't know.
+    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tiny_qwen3_dir / name, broken / name)
+    # Not a model: skipped by the catalog with a log line.
+    (directory / "notes.txt").write_text("not a model")
+    return directory
+
+
+@pytest.fixture(scope="package")
+def router(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "router.log"
+    args = ["--models-dir", str(models_dir), "--models-max", "1", "--threads", "1",
+            "--max-concurrency", "8"]
+    with running_server(args, log) as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def client(router: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=300)

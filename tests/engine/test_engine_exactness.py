@@ -1,0 +1,164 @@
+"""The whole engine (scheduler, KV pages, chunked prefill, sampler) against
+Hugging Face transformers, and batched runs against solo runs.
+
+The engine runs in-process here (EngineCore driven step by step); the socket
+threads and the router are covered by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import protocol as p
+from engine.bootstrap import build_engine
+from engine.config import EngineConfig
+from engine.core import EngineCore
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Two cores shared with other processes: one thread is faster and steadier.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.EngineEvent]]:
+    events: list[p.EngineEvent] = []
+    # A small step budget and page size force chunked prefill across pages.
+    settings: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,
+                                   "kv_capacity_tokens": 4096}
+    settings.update(overrides)
+    config = EngineConfig(model_path=model, **settings)  # type: ignore[arg-type]
+    core, _ = build_engine(config, lambda fraction, message: None, events.append)
+    return core, events
+
+
+def run(core: EngineCore, events: list[p.EngineEvent],
+        requests: dict[str, tuple[list[int], p.SamplingParams]]) -> dict[str, list[int]]:
+    events.clear()
+    for request_id, (prompt, params) in requests.items():
+        core.handle(p.Generate(request_id, prompt, params))
+    while core.scheduler.has_work():
+        core.step()
+        core.scheduler.check_invariants()
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    for event in events:
+        assert isinstance(event, p.StepOutputs), event
+        for output in event.outputs:
+            tokens[output.request_id].extend(output.token_ids)
+    return tokens
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> p.SamplingParams:
+    return p.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(vocab: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = {"short": 5, "pages": 37, "long": 90}
+    return {name: torch.randint(10, vocab, (n,), generator=gen).tolist() for name, n in lengths.items()}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(tiny_qwen3_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+def test_greedy_tokens_match_transformers_solo_and_batched(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    model_path = request.getfixturevalue("smollm2_gguf" if which == "smollm2" else "tiny_qwen3_dir")
+    reference = request.getfixturevalue(f"{which}_reference")
+    core, events = make_engine(model_path)
+    cases = prompts(vocab=49152 if which == "smollm2" else 151000)
+    expected = {name: hf_greedy(reference, prompt) for name, prompt in cases.items()}
+
+    solo = {name: run(core, events, {name: (prompt, greedy())})[name] for name, prompt in cases.items()}
+    together = run(core, events, {name: (prompt, greedy()) for name, prompt in cases.items()})
+    for name in cases:
+        assert solo[name] == expected[name], f"{which} {name}: solo differs from transformers"
+        assert together[name] == expected[name], f"{which} {name}: batched differs from transformers"
+    # The second round hit the prefix cache; the books still balance.
+    core.scheduler.check_invariants()
+    assert core.scheduler.kv.pool.num_cached > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_qwen3_dir: Path) -> None:
+    core, events = make_engine(tiny_qwen3_dir)
+    cases = prompts(vocab=151000)
+    sampled = p.SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234,
+                               ignore_eos=True)
+    solo = run(core, events, {"a": (cases["pages"], sampled)})["a"]
+    crowd = {"a": (cases["pages"], sampled), "b": (cases["short"], greedy()),
+             "c": (cases["long"], p.SamplingParams(max_tokens=12, temperature=1.0, seed=7))}
+    assert run(core, events, crowd)["a"] == solo
+    other_seed = p.SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=99,
+                                  ignore_eos=True)
+    assert run(core, events, {"a": (cases["pages"], other_seed)})["a"] != solo
+
+
+def test_preemption_keeps_greedy_tokens_exact(tiny_qwen3_dir: Path, qwen3_reference: torch.nn.Module) -> None:
+    # 12 pages of 8 tokens cannot hold three sequences of 37 + 40 tokens at
+    # once: the newest is preempted and later recomputed.
+    core, events = make_engine(tiny_qwen3_dir, kv_capacity_tokens=96, output_window=0, max_context=96)
+    cases = prompts(vocab=151000)
+    batch = {f"r{i}": (cases["pages"][i:] , greedy(40)) for i in range(3)}
+    got = run(core, events, batch)
+    assert core.scheduler.num_preemptions > 0
+    for name, (prompt, _) in batch.items():
+        assert got[name] == hf_greedy(qwen3_reference, prompt, 40), name
+
+
+def test_bad_requests_get_errors_and_the_engine_goes_on(tiny_qwen3_dir: Path) -> None:
+    core, events = make_engine(tiny_qwen3_dir, max_context=64, kv_capacity_tokens=256)
+    core.handle(p.Generate("long", list(range(10, 80)), greedy()))
+    core.handle(p.Generate("vocab", [10, 10**7], greedy()))
+    core.handle(p.Generate("empty", [], greedy()))
+    errors = {e.request_id: e.code for e in events if isinstance(e, p.RequestError)}
+    assert errors == {
+        "long": p.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        "vocab": p.ErrorCode.INVALID_REQUEST,
+        "empty": p.ErrorCode.INVALID_REQUEST,
+    }
+    assert run(core, events, {"ok": ([10, 11, 12], greedy(3))})["ok"]
+
+
+def test_abort_ends_a_request_within_one_step(tiny_qwen3_dir: Path) -> None:
+    core, events = make_engine(tiny_qwen3_dir)
+    core.handle(p.Generate("a", [10, 11, 12], greedy(1000)))
+    core.handle(p.Generate("b", [13, 14, 15], greedy(5)))
+    core.step()
+    core.handle(p.Abort(["a"]))
+    core.step()
+    finished = {o.request_id: o.finish_reason for e in events if isinstance(e, p.StepOutputs)
+                for o in e.outputs if o.finish_reason}
+    assert finished == {"a": "abort"}
+    assert len(core.scheduler.running) == 1
+    while core.scheduler.has_work():
+        core.step()
+    core.scheduler.check_invariants()

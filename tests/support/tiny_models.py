@@ -1,0 +1,63 @@
+"""Small random-weight models with the real Qwen3 tokenizer and chat template.
+
+Built with Hugging Face transformers (the reference implementation) and saved
+as a Hugging Face directory (config.json, model.safetensors, tokenizer files),
+exactly what a user would point Roundhouse at.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
+
+# Qwen3's embedding has 151,936 rows; its tokenizer uses the first 151,669.
+QWEN_VOCAB = 151936
+QWEN_EOS = 151645  # <|im_end|>
+QWEN_BOS = 151643  # <|endoftext|>
+
+_SMALL = dict(
+    vocab_size=QWEN_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    # Larger than the usual 0.02 so that logits are far apart and greedy
+    # choices do not hinge on float rounding.
+    initializer_range=0.1,
+    bos_token_id=QWEN_BOS,
+    eos_token_id=QWEN_EOS,
+)
+
+
+def _config(arch: str):
+    import transformers
+
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**_SMALL, head_dim=16, rope_theta=1_000_000.0,
+                                        tie_word_embeddings=True)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**_SMALL, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if arch == "llama":
+        return transformers.LlamaConfig(**_SMALL, rope_theta=500_000.0, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def build_tiny_model(arch: str, target: Path, seed: int = 0) -> Path:
+    """Write a random-weight model of `arch` ("qwen3", "qwen2", "llama") into target."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    model.eval()
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    source = qwen3_tokenizer()
+    for name in QWEN3_TOKENIZER_FILES:
+        shutil.copyfile(source / name, target / name)
+    return target
