@@ -192,9 +192,12 @@ def paged_attention(
         values = _gather_pages(v_cache, pages, seq_len)
         queries = q[start:end].transpose(0, 1).float()
         mask, is_causal = _causal_mask(q_len, seq_len, q.device)
+        # NOTE: a leading batch dimension lets torch pick its fused CPU
+        # attention kernel; 3-D inputs fall back to the math path (3x slower).
         attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
-        )
+            queries[None], keys[None], values[None],
+            attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+        )[0]
         out[start:end] = attended.transpose(0, 1).to(q.dtype)
     return out
 

@@ -131,9 +131,9 @@ async def engine_ttft(model_path: Path, prompt: list[int], concurrency: int, rou
         samples: list[float] = []
         try:
             for round_index in range(rounds + 1):
-                async def one(i: int) -> float:
+                async def one(request_id: str) -> float:
                     start = time.perf_counter()
-                    stream = engine.client.submit(f"b{round_index}-{i}", prompt, params)
+                    stream = engine.client.submit(request_id, prompt, params)
                     first = None
                     async for output in stream:
                         if first is None and output.token_ids:
@@ -141,7 +141,7 @@ async def engine_ttft(model_path: Path, prompt: list[int], concurrency: int, rou
                     assert first is not None
                     return first
 
-                times = await asyncio.gather(*(one(i) for i in range(concurrency)))
+                times = await asyncio.gather(*(one(f"b{round_index}-{i}") for i in range(concurrency)))
                 if round_index:  # the first round warms up
                     samples.extend(times)
         finally:
