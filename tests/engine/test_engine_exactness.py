@@ -7,6 +7,7 @@ threads and the router are covered by the end-to-end tests.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,16 +62,46 @@ def greedy(max_tokens: int = NEW_TOKENS) -> p.SamplingParams:
     return p.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+@torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                         min_new_tokens=new_tokens)
-    return out[0, len(prompt):].tolist()
+    """Greedy decoding with transformers' own KV cache, end tokens included
+    (generate() would stop at them or, with min_new_tokens, mask them)."""
+    from transformers import DynamicCache
+
+    # transformers 5 renames past_key_values to cache; take whichever this version has.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {cache_arg: DynamicCache()}
+    out = model(torch.tensor([prompt]), use_cache=True, **cache)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(new_tokens - 1):
+        out = model(torch.tensor([[tokens[-1]]]), use_cache=True, **cache)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
-def prompts(vocab: int) -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    lengths = {"short": 5, "pages": 37, "long": 90}
-    return {name: torch.randint(10, vocab, (n,), generator=gen).tolist() for name, n in lengths.items()}
+CONVERSATIONS = {
+    "short": [{"role": "user", "content": "Hi!"}],
+    "pages": [{"role": "user", "content": "What is the capital of France?"}],
+    "long": [
+        {"role": "system", "content": "You are a careful assistant who answers in full sentences."},
+        {"role": "user", "content": "Explain how a steam locomotive turns coal into motion, "
+                                    "and why roundhouses were built around turntables."},
+        {"role": "assistant", "content": "Burning coal boils water; the steam pushes pistons."},
+        {"role": "user", "content": "And the turntable?"},
+    ],
+}
+
+
+def prompts(model: Path) -> dict[str, list[int]]:
+    """Real chat prompts, rendered and tokenized as the router does; the long
+    one spans several prefill chunks and pages."""
+    from router.text.model_text import ModelText
+
+    text = ModelText.load(model)
+    rendered = {name: text.encode_prompt(text.render_chat(messages))
+                for name, messages in CONVERSATIONS.items()}
+    assert len(rendered["long"]) > 3 * 24
+    return rendered
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +126,7 @@ def test_greedy_tokens_match_transformers_solo_and_batched(
     model_path = request.getfixturevalue("smollm2_gguf" if which == "smollm2" else "tiny_qwen3_dir")
     reference = request.getfixturevalue(f"{which}_reference")
     core, events = make_engine(model_path)
-    cases = prompts(vocab=49152 if which == "smollm2" else 151000)
+    cases = prompts(model_path)
     expected = {name: hf_greedy(reference, prompt) for name, prompt in cases.items()}
 
     solo = {name: run(core, events, {name: (prompt, greedy())})[name] for name, prompt in cases.items()}
@@ -110,7 +141,7 @@ def test_greedy_tokens_match_transformers_solo_and_batched(
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_qwen3_dir: Path) -> None:
     core, events = make_engine(tiny_qwen3_dir)
-    cases = prompts(vocab=151000)
+    cases = prompts(tiny_qwen3_dir)
     sampled = p.SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234,
                                ignore_eos=True)
     solo = run(core, events, {"a": (cases["pages"], sampled)})["a"]
@@ -126,8 +157,8 @@ def test_preemption_keeps_greedy_tokens_exact(tiny_qwen3_dir: Path, qwen3_refere
     # 12 pages of 8 tokens cannot hold three sequences of 37 + 40 tokens at
     # once: the newest is preempted and later recomputed.
     core, events = make_engine(tiny_qwen3_dir, kv_capacity_tokens=96, output_window=0, max_context=96)
-    cases = prompts(vocab=151000)
-    batch = {f"r{i}": (cases["pages"][i:] , greedy(40)) for i in range(3)}
+    cases = prompts(tiny_qwen3_dir)
+    batch = {f"r{i}": (cases["long"][i : i + 37], greedy(40)) for i in range(3)}
     got = run(core, events, batch)
     assert core.scheduler.num_preemptions > 0
     for name, (prompt, _) in batch.items():
@@ -162,3 +193,24 @@ def test_abort_ends_a_request_within_one_step(tiny_qwen3_dir: Path) -> None:
     while core.scheduler.has_work():
         core.step()
     core.scheduler.check_invariants()
+
+
+def test_sixty_four_lanes_decode_together(tiny_qwen3_dir: Path) -> None:
+    core, events = make_engine(tiny_qwen3_dir, max_concurrency=64, max_batched_tokens=1024,
+                               kv_capacity_tokens=8192)
+    gen = torch.Generator().manual_seed(1)
+    batch = {f"r{i}": (torch.randint(10, 150000, (int(n),), generator=gen).tolist(), greedy(6))
+             for i, n in enumerate(torch.randint(3, 40, (64,), generator=gen))}
+    for request_id, (prompt, params) in batch.items():
+        core.handle(p.Generate(request_id, prompt, params))
+    most_running = 0
+    while core.scheduler.has_work():
+        core.step()
+        most_running = max(most_running, len(core.scheduler.running))
+    assert most_running == 64
+    together: dict[str, list[int]] = {}
+    for event in events:
+        for output in event.outputs:  # type: ignore[union-attr]
+            together.setdefault(output.request_id, []).extend(output.token_ids)
+    for request_id in ("r0", "r17", "r63"):
+        assert run(core, events, {request_id: batch[request_id]})[request_id] == together[request_id]
