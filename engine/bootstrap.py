@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
@@ -18,21 +18,22 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from protocol import PROTOCOL_VERSION, EngineEvent, KvFacts, ModelFacts, Ready
+from protocol import PROTOCOL_VERSION, EngineEvent, EngineOptions, KvFacts, ModelFacts, Ready
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(config: EngineConfig) -> torch.dtype:
+def resolve_dtype(config: EngineOptions) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if config.is_cuda else torch.float32
     return _DTYPES[config.dtype]
 
 
 def build_engine(
-    config: EngineConfig,
+    model_path: Path,
+    config: EngineOptions,
     progress: Callable[[float, str], None],
     emit: Callable[[EngineEvent], None],
 ) -> tuple[EngineCore, Ready]:
@@ -40,7 +41,7 @@ def build_engine(
         torch.set_num_threads(config.threads)
     device = torch.device(config.device)
     dtype = resolve_dtype(config)
-    loaded = load_model(config.model_path, device, dtype, progress)
+    loaded = load_model(model_path, device, dtype, progress)
     model = loaded.config
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
@@ -63,7 +64,7 @@ def build_engine(
         page_size=plan.page_size, sampler=sampler,
     )
     fingerprint = kv_fingerprint(
-        str(config.model_path.resolve()), os.path.getmtime(config.model_path), str(dtype), plan.page_size
+        str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
     kv = KVManager(BlockPool(plan.num_pages, plan.page_size), fingerprint, config.output_window, plan.max_context)
     scheduler = Scheduler(

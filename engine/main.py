@@ -13,47 +13,24 @@ import time
 import traceback
 from pathlib import Path
 
-from engine.config import EngineConfig
 from engine.ipc import EngineSockets
 from engine.parent_watch import die_with_parent
-from protocol import EngineDead, LoadProgress
+from protocol import EngineDead, EngineOptions, LoadProgress
 
 log = logging.getLogger("engine")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, argparse.Namespace]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--options", default="{}", type=EngineOptions.from_json,
+                        help="EngineOptions as JSON (protocol/launch.py)")
     parser.add_argument("--input", required=True, help="ZMQ address to receive commands on")
     parser.add_argument("--output", required=True, help="ZMQ address to send events to")
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--name", default="", help="model id, for log lines")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--max-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-context", type=int, default=0)
-    parser.add_argument("--kv-capacity", type=int, default=0)
-    parser.add_argument("--output-window", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    config = EngineConfig(
-        model_path=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_concurrency=args.max_concurrency,
-        max_batched_tokens=args.max_batched_tokens,
-        max_context=args.max_context,
-        kv_capacity_tokens=args.kv_capacity,
-        output_window=args.output_window,
-        threads=args.threads,
-        seed=args.seed,
-    )
-    return config, args
+    return parser.parse_args(argv)
 
 
 class ProgressReporter:
@@ -72,7 +49,7 @@ class ProgressReporter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, args = parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s engine: %(message)s",
@@ -86,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bootstrap import build_engine
 
         started = time.monotonic()
-        core, ready = build_engine(config, ProgressReporter(sockets), sockets.emit)
+        core, ready = build_engine(args.model, args.options, ProgressReporter(sockets), sockets.emit)
         ready.load_seconds = time.monotonic() - started
         sockets.emit(ready)
         log.info("ready in %.1fs (pid %d)", ready.load_seconds, os.getpid())

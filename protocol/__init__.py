@@ -5,6 +5,7 @@ alone, so both sides (and tests) can import it cheaply.
 """
 
 from protocol.errors import ErrorCode
+from protocol.launch import EngineOptions
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -32,6 +33,7 @@ __all__ = [
     "Abort",
     "EngineDead",
     "EngineEvent",
+    "EngineOptions",
     "EngineStats",
     "ErrorCode",
     "FinishReason",

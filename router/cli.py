@@ -7,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from router.config import EngineOptions, SamplingOverrides, ServeConfig
+from protocol import EngineOptions
+from router.config import SamplingOverrides, ServeConfig
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +62,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             max_concurrency=args.max_concurrency,
             max_batched_tokens=args.max_batched_tokens,
             max_context=args.max_context,
-            kv_capacity=args.kv_capacity,
+            kv_capacity_tokens=args.kv_capacity,
             threads=args.threads,
             seed=args.seed,
         ),
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = build_config(args)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from router.server import serve
 

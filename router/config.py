@@ -5,35 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Options passed through to every engine process the router starts."""
-
-    device: str = "cpu"
-    dtype: str = "auto"
-    page_size: int = 16
-    max_concurrency: int = 8
-    max_batched_tokens: int = 512
-    max_context: int = 0
-    kv_capacity: int = 0
-    output_window: int = 256
-    threads: int = 0
-    seed: int = 0
-
-    def to_argv(self) -> list[str]:
-        return [
-            "--device", self.device,
-            "--dtype", self.dtype,
-            "--page-size", str(self.page_size),
-            "--max-concurrency", str(self.max_concurrency),
-            "--max-batched-tokens", str(self.max_batched_tokens),
-            "--max-context", str(self.max_context),
-            "--kv-capacity", str(self.kv_capacity),
-            "--output-window", str(self.output_window),
-            "--threads", str(self.threads),
-            "--seed", str(self.seed),
-        ]
+from protocol import EngineOptions
 
 
 @dataclass(frozen=True)

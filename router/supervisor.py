@@ -19,9 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from protocol import PROTOCOL_VERSION, LoadProgress, Ready
+from protocol import PROTOCOL_VERSION, EngineOptions, LoadProgress, Ready
 from router.catalog import CatalogEntry
-from router.config import EngineOptions
 from router.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class EngineProcess:
             "--input", self.client.input_address,
             "--output", self.client.output_address,
             "--parent-pid", str(os.getpid()),
-            *self.options.to_argv(),
+            "--options", self.options.to_json(),
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log.info("starting engine for %s: %s", self.entry.id, self.entry.path)

@@ -1,7 +1,7 @@
 """Which pages each sequence holds, prefix reuse, and admission reservations.
 
 Admission reserves pages for a sequence's tokens plus a bounded output window
-(EngineConfig.output_window); `outstanding` counts reserved pages not yet
+(EngineOptions.output_window); `outstanding` counts reserved pages not yet
 allocated, and new admissions only take what is left after them, so a running
 sequence can always grow within its window. Growing past the window takes
 unreserved free pages; when there are none the scheduler preempts.

@@ -6,16 +6,16 @@ from typing import Any
 
 from aiohttp import web
 
-from router.engine_client import EngineFailure
 from router.generation import Generation, new_request_id
 from router.http.errors import decode_body, invalid
 from router.openai.common import (
     MANAGER,
-    engine_error,
+    collect,
     now,
     start_generation,
     stream_generation,
     usage,
+    wants_usage,
 )
 from router.openai.params import check_common, check_max_tokens
 from router.openai.schemas import ChatCompletionRequest, ChatMessage
@@ -98,12 +98,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             new_request_id("chatcmpl"), max_tokens, max_field,
         )
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _stream(request, generation, slot.id, include_usage)
-        try:
-            content = await generation.collect()
-        except EngineFailure as exc:
-            raise engine_error(exc) from None
+            return await _stream(request, generation, slot.id, wants_usage(req))
+        content = await collect(generation)
     return web.json_response({
         "id": generation.request_id,
         "object": "chat.completion",

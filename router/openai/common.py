@@ -75,6 +75,18 @@ def start_generation(
     return Generation(engine.client, text, request_id, spec)
 
 
+def wants_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def collect(generation: Generation) -> str:
+    """The whole answer of a non-streamed request; engine failures become API errors."""
+    try:
+        return await generation.collect()
+    except EngineFailure as exc:
+        raise engine_error(exc) from None
+
+
 def usage(generation: Generation) -> dict[str, Any]:
     return {
         "prompt_tokens": generation.prompt_tokens,

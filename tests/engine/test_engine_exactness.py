@@ -16,7 +16,6 @@ import torch
 
 import protocol as p
 from engine.bootstrap import build_engine
-from engine.config import EngineConfig
 from engine.core import EngineCore
 
 NEW_TOKENS = 20
@@ -37,8 +36,8 @@ def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.En
     settings: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,
                                    "kv_capacity_tokens": 4096}
     settings.update(overrides)
-    config = EngineConfig(model_path=model, **settings)  # type: ignore[arg-type]
-    core, _ = build_engine(config, lambda fraction, message: None, events.append)
+    options = p.EngineOptions(**settings)  # type: ignore[arg-type]
+    core, _ = build_engine(model, options, lambda fraction, message: None, events.append)
     return core, events
 
 

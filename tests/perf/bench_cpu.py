@@ -40,13 +40,12 @@ DECODE_TOKENS = 128
 
 def engine_core(model: Path, threads: int):  # type: ignore[no-untyped-def]
     from engine.bootstrap import build_engine
-    from engine.config import EngineConfig
 
     torch.set_num_threads(threads)
-    config = EngineConfig(model_path=model, max_batched_tokens=PREFILL_TOKENS, max_concurrency=8,
-                          kv_capacity_tokens=16384, threads=threads)
+    options = p.EngineOptions(max_batched_tokens=PREFILL_TOKENS, max_concurrency=8,
+                              kv_capacity_tokens=16384, threads=threads)
     events: list[p.EngineEvent] = []
-    core, _ = build_engine(config, lambda f, m: None, events.append)
+    core, _ = build_engine(model, options, lambda f, m: None, events.append)
     return core, events
 
 
@@ -120,11 +119,10 @@ async def engine_ttft(model_path: Path, prompt: list[int], concurrency: int, rou
     import tempfile
 
     from router.catalog import entry_for_path
-    from router.config import EngineOptions
     from router.supervisor import EngineProcess
 
     with tempfile.TemporaryDirectory() as run_dir:
-        engine = EngineProcess(entry_for_path(model_path), EngineOptions(threads=threads, max_concurrency=32),
+        engine = EngineProcess(entry_for_path(model_path), p.EngineOptions(threads=threads, max_concurrency=32),
                                Path(run_dir), 0)
         await engine.start(300, lambda event: None)
         params = p.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

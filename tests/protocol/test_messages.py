@@ -53,3 +53,15 @@ def test_sampling_flags() -> None:
     assert p.SamplingParams(max_tokens=1, top_k=1).greedy
     assert not p.SamplingParams(max_tokens=1).greedy
     assert p.SamplingParams(max_tokens=1, presence_penalty=0.5).has_penalties
+
+
+def test_engine_options_travel_as_json_and_are_validated() -> None:
+    options = p.EngineOptions(device="cuda:1", max_concurrency=64, max_batched_tokens=2048)
+    assert p.EngineOptions.from_json(options.to_json()) == options
+    assert options.is_cuda
+    with pytest.raises(ValueError, match="power of two"):
+        p.EngineOptions(page_size=12)
+    with pytest.raises(ValueError, match="every lane"):
+        p.EngineOptions(max_concurrency=64, max_batched_tokens=32)
+    with pytest.raises(msgspec.ValidationError):
+        p.EngineOptions.from_json('{"no_such_option": 1}')

@@ -1,0 +1,57 @@
+"""How the router asks an engine to run: one typed struct, passed as JSON on
+the engine's command line (`python -m engine --options '{...}'`)."""
+
+from __future__ import annotations
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    device: str = "cpu"
+    # "auto": float32 on the CPU (fast there, and exact against the
+    # reference) and bfloat16 on CUDA.
+    dtype: str = "auto"
+    page_size: int = 16
+    # Lanes: requests decoded together; more wait in arrival order.
+    max_concurrency: int = 8
+    # Tokens one step may compute: all decode rows plus prefill chunks.
+    max_batched_tokens: int = 512
+    # 0: the model's trained context.
+    max_context: int = 0
+    # KV pool size in tokens; 0: sized automatically (engine/kv_sizing.py).
+    kv_capacity_tokens: int = 0
+    # Admission reserves KV for the prompt plus up to this many output tokens,
+    # so admitted requests rarely need to be preempted.
+    output_window: int = 256
+    # CPU threads for torch; 0: torch's default.
+    threads: int = 0
+    # Seeds the shared generator of requests that bring no seed.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page size must be a power of two, got {self.page_size}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max concurrency must be at least 1, got {self.max_concurrency}")
+        if self.max_batched_tokens < self.max_concurrency:
+            raise ValueError(
+                f"max batched tokens ({self.max_batched_tokens}) must be at least the max "
+                f"concurrency ({self.max_concurrency}) so every lane can decode each step"
+            )
+        if min(self.max_context, self.kv_capacity_tokens, self.output_window, self.threads) < 0:
+            raise ValueError("max context, KV capacity, output window and threads must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineOptions:
+        return msgspec.json.decode(text, type=cls)
