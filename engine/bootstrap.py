@@ -60,7 +60,7 @@ def build_engine(
     )
     sampler = Sampler(device, config.seed)
     runner = ModelRunner(
-        loaded, device=device, dtype=dtype, num_pages=plan.num_pages,
+        loaded, model_path=model_path, device=device, dtype=dtype, num_pages=plan.num_pages,
         page_size=plan.page_size, sampler=sampler,
     )
     fingerprint = kv_fingerprint(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -18,6 +19,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from protocol import (
     Abort,
+    Awake,
     EngineEvent,
     EngineStats,
     ErrorCode,
@@ -26,7 +28,10 @@ from protocol import (
     RequestOutput,
     RouterCommand,
     Shutdown,
+    Sleep,
+    Slept,
     StepOutputs,
+    Wake,
 )
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,8 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
         self._stopping = False
+        # Cached pages kept in host memory while asleep; None while awake.
+        self._kept_pages: int | None = None
 
     # ---- commands ----------------------------------------------------------
 
@@ -64,10 +71,63 @@ class EngineCore:
             for seq in self.scheduler.abort(command.request_ids):
                 self.sampler.forget(seq.request_id)
                 self._pending.append(self._output(seq, []))
+        elif isinstance(command, Sleep):
+            self._sleep(command)
+        elif isinstance(command, Wake):
+            self._wake()
         elif isinstance(command, Shutdown):
             self._stopping = True
 
+    @property
+    def asleep(self) -> bool:
+        return self._kept_pages is not None
+
+    def _sleep(self, command: Sleep) -> None:
+        if self._kept_pages is not None:
+            self.emit(Slept(0.0, self._kept_pages, self.runner.device_bytes()))
+            return
+        scheduler = self.scheduler
+        if scheduler.has_work():
+            # The router drains an engine before putting it to sleep; going on
+            # would throw away requests that someone is waiting for.
+            raise RuntimeError(
+                f"Sleep arrived with {len(scheduler.running)} running and "
+                f"{len(scheduler.waiting)} waiting requests; the router must send Sleep "
+                "only to an engine with no requests"
+            )
+        if self._pending:
+            # Outputs of requests aborted just before, so they arrive before Slept.
+            self._publish()
+        pages = scheduler.kv.pool.cached_pages()
+        started = time.perf_counter()
+        host_bytes = self.runner.sleep(command.weights, pages)
+        seconds = time.perf_counter() - started
+        self._kept_pages = len(pages)
+        device_bytes = self.runner.device_bytes()
+        log.info("asleep in %.2fs (weights: %s, %d KV pages kept, %.1f MiB of host memory "
+                 "taken, %d device bytes still held)", seconds, command.weights, len(pages),
+                 host_bytes / 2**20, device_bytes)
+        self.emit(Slept(seconds, len(pages), device_bytes))
+
+    def _wake(self) -> None:
+        if self._kept_pages is None:
+            self.emit(Awake(0.0))
+            return
+        started = time.perf_counter()
+        # A failure here (out of device memory, an unreadable model file) leaves
+        # the engine without weights or KV: it propagates and ends the engine.
+        self.runner.wake()
+        seconds = time.perf_counter() - started
+        self._kept_pages = None
+        log.info("awake in %.2fs", seconds)
+        self.emit(Awake(seconds))
+
     def _add(self, command: Generate) -> None:
+        if self._kept_pages is not None:
+            self.emit(RequestError(command.request_id, ErrorCode.INVALID_REQUEST,
+                                   "the engine is asleep; it must be woken (Wake) before it "
+                                   "takes requests"))
+            return
         error = self._validate(command)
         if error is not None:
             code, message = error

@@ -1,8 +1,8 @@
 """The router<->engine messages: one tagged union per direction.
 
-Router -> engine: RouterCommand (Generate, Abort, Shutdown).
+Router -> engine: RouterCommand (Generate, Abort, Sleep, Wake, Shutdown).
 Engine -> router: EngineEvent (LoadProgress, Ready, StepOutputs, RequestError,
-EngineDead).
+Slept, Awake, EngineDead).
 
 Every Struct is array_like (encoded as a msgpack array, no field names on the
 wire) and tagged with a short string, so a decoder typed with the union picks
@@ -12,7 +12,7 @@ request's new token ids.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -21,7 +21,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -39,11 +39,27 @@ class Abort(msgspec.Struct, tag="abort", **_STRUCT):
     request_ids: list[str]
 
 
+class Sleep(msgspec.Struct, tag="sleep", **_STRUCT):
+    """Release device memory, keep the process and its host-side state.
+
+    Sent only when the engine has no requests. Cached KV pages (the prefix
+    cache: conversations) are copied to host memory and restored on wake.
+    weights: "host" keeps them in (pinned) host memory for a fast wake;
+    "disk" drops them and reads the model file again on wake.
+    """
+
+    weights: Literal["host", "disk"] = "disk"
+
+
+class Wake(msgspec.Struct, tag="wake", **_STRUCT):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
     pass
 
 
-RouterCommand = Generate | Abort | Shutdown
+RouterCommand = Generate | Abort | Sleep | Wake | Shutdown
 
 
 # ---- engine -> router ---------------------------------------------------------
@@ -126,12 +142,25 @@ class RequestError(msgspec.Struct, tag="error", **_STRUCT):
     message: str
 
 
+class Slept(msgspec.Struct, tag="slept", **_STRUCT):
+    seconds: float
+    # Cached KV pages kept in host memory for the wake.
+    kept_pages: int
+    # Device memory still held by the process after sleeping (CUDA: bytes
+    # reserved by torch's allocator; CPU: 0, there is no separate device).
+    device_bytes: int
+
+
+class Awake(msgspec.Struct, tag="awake", **_STRUCT):
+    seconds: float
+
+
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
     message: str
     traceback: str = ""
 
 
-EngineEvent = LoadProgress | Ready | StepOutputs | RequestError | EngineDead
+EngineEvent = LoadProgress | Ready | StepOutputs | RequestError | Slept | Awake | EngineDead
 
 
 def encoder() -> msgspec.msgpack.Encoder:

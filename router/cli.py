@@ -1,99 +1,157 @@
-"""`roundhouse serve` and `roundhouse fetch-default`."""
+"""`roundhouse serve` and `roundhouse fetch-default`.
+
+Router-wide options become ServeConfig fields; per-model options (the table
+in router/options.py) go to `cli_model_options`, and only those the command
+line really gave, because they override the preset. Every start-up error,
+a bad flag included, exits with status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
-from protocol import EngineOptions
-from router.config import SamplingOverrides, ServeConfig
+from router.config import ServeConfig
+from router.options import OptionValueError, add_arguments, given_options, names
 
-
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="serve one model or a directory of models over HTTP",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("model", nargs="?", type=Path,
-                       help="a .gguf file or Hugging Face model directory; "
-                            "omitted (and no --models-dir): the default model, SmolLM2-135M-Instruct")
-    serve.add_argument("--models-dir", type=Path, help="serve every model in this directory")
-    serve.add_argument("--models-max", type=int, default=4,
-                       help="models loaded at once (0: no limit); the least recently used idle one is unloaded")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--max-concurrency", type=int, default=8, help="requests decoded together (lanes)")
-    serve.add_argument("--max-batched-tokens", type=int, default=512,
-                       help="tokens one engine step computes: decode rows plus prefill chunks")
-    serve.add_argument("--max-context", type=int, default=0, help="context length (0: the model's)")
-    serve.add_argument("--kv-capacity", type=int, default=0, help="KV pool size in tokens (0: automatic)")
-    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    serve.add_argument("--threads", type=int, default=0, help="CPU threads per engine (0: torch's default)")
-    serve.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
-    serve.add_argument("--temp", type=float, help="default temperature for requests that set none")
-    serve.add_argument("--top-k", type=int, help="default top_k for requests that set none")
-    serve.add_argument("--top-p", type=float, help="default top_p for requests that set none")
-    serve.add_argument("--min-p", type=float, help="default min_p for requests that set none")
-    serve.add_argument("--load-timeout", type=float, default=600.0, help="seconds a model may take to load")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def build_config(args: argparse.Namespace) -> ServeConfig:
-    model = args.model
-    temperature = args.temp
-    if model is None and args.models_dir is None:
-        from router.default_model import DEFAULT_MODEL_TEMPERATURE, ensure_default_model
-
-        model = ensure_default_model()
-        if temperature is None:
-            temperature = DEFAULT_MODEL_TEMPERATURE
-    return ServeConfig(
-        host=args.host,
-        port=args.port,
-        model=model,
-        models_dir=args.models_dir,
-        models_max=args.models_max,
-        engine=EngineOptions(
-            device=args.device,
-            dtype=args.dtype,
-            page_size=args.page_size,
-            max_concurrency=args.max_concurrency,
-            max_batched_tokens=args.max_batched_tokens,
-            max_context=args.max_context,
-            kv_capacity_tokens=args.kv_capacity,
-            threads=args.threads,
-            seed=args.seed,
-        ),
-        sampling=SamplingOverrides(
-            temperature=temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
-        ),
-        load_timeout=args.load_timeout,
-        log_level=args.log_level,
-    )
+class CommandLineError(ValueError):
+    """A command line that cannot be served; the message says why."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="roundhouse", description="Serve large language models over HTTP.")
+class _Parser(argparse.ArgumentParser):
+    # argparse exits with status 2 on a bad flag; we raise instead, so that
+    # callers can test a command line and main() can exit 1 like any start-up
+    # failure.
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(message)
+
+
+def _alias_list(text: str) -> tuple[str, ...]:
+    try:
+        return names(text)
+    except OptionValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: a unit file's `--max-con 4` would silently mean
+    # --max-concurrency today and become an error when another flag shares the prefix.
+    parser = _Parser(prog="roundhouse", description="Serve large language models over HTTP.",
+                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    serve = sub.add_parser("serve", help="serve one model or a catalog of models over HTTP",
+                           allow_abbrev=False,
+                           description="Serve one model, or a router over --models-dir "
+                                       "and/or --models-preset.")
+    serve.add_argument("model", nargs="?", type=Path, metavar="MODEL",
+                       help="a .gguf file, a Hugging Face directory, or a directory with one "
+                            ".gguf; omitted (with no --models-dir or --models-preset): the "
+                            "default model, SmolLM2-135M-Instruct")
+    serve.add_argument("--models-dir", type=Path, metavar="DIR",
+                       help="serve every model in this directory")
+    serve.add_argument("--models-preset", type=Path, metavar="FILE",
+                       help="an INI preset of models and their options (docs/presets.md)")
+    serve.add_argument("--models-max", type=int, default=4, metavar="N",
+                       help="models loaded at once (0: no limit); the least recently used "
+                            "idle one makes room (default: 4)")
+    serve.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=True,
+                       help="load a requested model that is not loaded (default: on)")
+    serve.add_argument("--pending-timeout-ms", type=int, default=60_000, metavar="MS",
+                       help="how long a request may wait for a model slot (default: 60000)")
+    serve.add_argument("--alias", type=_alias_list, default=(), metavar="A,B",
+                       help="other names for a single MODEL")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080, help="default: 8080")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default: info")
+    add_arguments(serve)
     sub.add_parser("fetch-default", help="download the default model into the cache and print its path")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]) -> ServeConfig:
+    model_options = given_options(args)
+    model = args.model
+    if model is None and args.models_dir is None and args.models_preset is None:
+        from router.default_model import DEFAULT_MODEL_TEMPERATURE
+
+        model = default_model()
+        # The default model is served greedy unless --temp says otherwise
+        # (router/default_model.py says why).
+        model_options.setdefault("temp", DEFAULT_MODEL_TEMPERATURE)
+    if args.alias and model is None:
+        raise CommandLineError("--alias is for a single MODEL; in a router, "
+                               "give each model's aliases in the preset (alias = a, b)")
+    try:
+        return ServeConfig(
+            host=args.host,
+            port=args.port,
+            model=model,
+            models_dir=args.models_dir,
+            models_preset=args.models_preset,
+            models_max=args.models_max,
+            autoload=args.models_autoload,
+            pending_timeout_ms=args.pending_timeout_ms,
+            log_level=args.log_level,
+            cli_model_options=model_options,
+            aliases=args.alias,
+        )
+    except ValueError as exc:
+        raise CommandLineError(str(exc)) from None
+
+
+def parse_serve_command(argv: Sequence[str],
+                        default_model: Callable[[], Path] | None = None) -> ServeConfig:
+    """The ServeConfig of `roundhouse serve ...`, given the words after
+    `roundhouse` (["serve", "--models-preset", "models.ini", ...]). Runs
+    nothing and downloads nothing: without a model, the default model's cache
+    path stands in unless `default_model` is given. Raises CommandLineError."""
+    args = build_parser().parse_args(list(argv))
+    if args.command != "serve":
+        raise CommandLineError(f"expected a `serve` command line, got {args.command!r}")
+    if default_model is None:
+        from router.default_model import default_model_path
+
+        default_model = default_model_path
+    return config_from_args(args, default_model)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except CommandLineError as exc:
+        return _startup_failed(exc)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command == "fetch-default":
-        from router.default_model import ensure_default_model
+    from router.default_model import FetchError, ensure_default_model
 
-        print(ensure_default_model())
+    if args.command == "fetch-default":
+        try:
+            print(ensure_default_model())
+        except (FetchError, OSError) as exc:
+            return _startup_failed(exc)
         return 0
     try:
-        config = build_config(args)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+        config = config_from_args(args, ensure_default_model)
+    except (ValueError, FetchError, OSError) as exc:
+        return _startup_failed(exc)
+    # serve() builds the catalog before it binds the port; a bad preset or a
+    # model whose options do not fit together also exits 1 there.
     from router.server import serve
 
     return serve(config)
+
+
+def _startup_failed(exc: Exception) -> int:
+    print(f"roundhouse: error: {exc}", file=sys.stderr)
+    return 1

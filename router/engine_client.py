@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from protocol import (
     Abort,
+    Awake,
     EngineDead,
     EngineStats,
     Generate,
@@ -27,7 +28,10 @@ from protocol import (
     RequestOutput,
     SamplingParams,
     Shutdown,
+    Sleep,
+    Slept,
     StepOutputs,
+    Wake,
     encoder,
     event_decoder,
 )
@@ -91,6 +95,8 @@ class EngineClient:
         self.ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
         self.dead: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.on_progress: Callable[[LoadProgress], None] | None = None
+        # The Sleep or Wake command waiting for its answer, if any.
+        self._transition: asyncio.Future[Slept | Awake] | None = None
         self._reader = asyncio.create_task(self._read_events(), name=f"engine-events-{name}")
 
     @property
@@ -111,11 +117,35 @@ class EngineClient:
         if not self.dead.done():
             self._send(Abort(request_ids))
 
+    async def sleep(self, weights: str) -> Slept:
+        """Ask the (idle) engine to release its device memory."""
+        reply = await self._transit(Sleep(weights))  # type: ignore[arg-type]
+        assert isinstance(reply, Slept)
+        return reply
+
+    async def wake(self) -> Awake:
+        reply = await self._transit(Wake())
+        assert isinstance(reply, Awake)
+        return reply
+
+    async def _transit(self, command: Sleep | Wake) -> Slept | Awake:
+        if self.dead.done():
+            raise EngineFailure(f"the engine is not running: {self.dead.result()}")
+        loop = asyncio.get_running_loop()
+        self._transition = reply = loop.create_future()
+        self._send(command)
+        done, _ = await asyncio.wait({reply, self.dead}, return_when=asyncio.FIRST_COMPLETED)
+        self._transition = None
+        if reply not in done:
+            reply.cancel()
+            raise EngineFailure(f"the engine failed: {self.dead.result()}")
+        return reply.result()
+
     def shutdown(self) -> None:
         if not self.dead.done():
             self._send(Shutdown())
 
-    def _send(self, message: Generate | Abort | Shutdown) -> None:
+    def _send(self, message: Generate | Abort | Sleep | Wake | Shutdown) -> None:
         # The engine reads continuously, so the send completes at once; the
         # returned future needs no waiting (and abort() runs in finally blocks
         # of cancelled handlers, where waiting is not an option).
@@ -145,6 +175,9 @@ class EngineClient:
             elif isinstance(event, Ready):
                 if not self.ready.done():
                     self.ready.set_result(event)
+            elif isinstance(event, (Slept, Awake)):
+                if self._transition is not None and not self._transition.done():
+                    self._transition.set_result(event)
             elif isinstance(event, EngineDead):
                 log.error("engine reported failure: %s\n%s", event.message, event.traceback)
                 self.fail_all(event.message)

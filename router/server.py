@@ -1,4 +1,10 @@
-"""Runs the router: bind the port first, then load, then serve until a signal."""
+"""Runs the router: bind the port first, then load, then serve until a signal.
+
+Exit status: 0 after SIGTERM/SIGINT; 1 when start-up fails (bad catalog,
+port in use, a single model that cannot load); 2 when a single-model server's
+engine fails later, so a supervisor such as systemd restarts it.
+SIGHUP rescans --models-dir and --models-preset.
+"""
 
 from __future__ import annotations
 
@@ -10,54 +16,76 @@ import uvloop
 from aiohttp import web
 
 from router.app import create_app
-from router.catalog import CatalogEntry, entry_for_path, scan_models_dir
+from router.catalog import build_catalog
 from router.config import ServeConfig
 from router.lifecycle import ModelManager
+from router.lifecycle.manager import EXIT_STARTUP_FAILED
+from router.lifecycle.reload import reload_catalog
+from router.systemd import monotonic_usec, notify
 
 log = logging.getLogger("router")
 
-
-def build_catalog(config: ServeConfig) -> dict[str, CatalogEntry]:
-    if config.models_dir is not None:
-        return scan_models_dir(config.models_dir)
-    assert config.model is not None
-    entry = entry_for_path(config.model)
-    return {entry.id: entry}
+# Seconds aiohttp gives handlers to finish once the engines are stopped.
+HANDLER_SHUTDOWN_SECONDS = 10.0
 
 
-async def run(config: ServeConfig) -> None:
-    catalog = build_catalog(config)
+async def run(config: ServeConfig) -> int:
+    try:
+        catalog = build_catalog(config)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP_FAILED
     manager = ModelManager(catalog, config)
     app = create_app(manager)
     # handler_cancellation: a client that disconnects cancels its handler, whose
     # cleanup aborts the engine request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=HANDLER_SHUTDOWN_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    # Bind before any model loads, so a port clash is reported at once.
-    await site.start()
-    log.info("listening on http://%s:%d (%d model%s)", config.host, config.port,
-             len(catalog), "" if len(catalog) == 1 else "s")
-    if manager.single:
-        manager.preload(next(iter(manager.slots.values())))
-
+    try:
+        # Bind before any model loads, so a port clash is reported at once.
+        await site.start()
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
+        await runner.cleanup()
+        return EXIT_STARTUP_FAILED
+    # Handlers first: once READY=1 is out, systemd may send SIGHUP at once.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("shutting down")
+    loop.add_signal_handler(signal.SIGHUP, lambda: manager.spawn(_reload(manager), "sighup-reload"))
+    count = len(catalog.entries)
+    log.info("listening on http://%s:%d (%d model%s)", config.host, config.port,
+             count, "" if count == 1 else "s")
+    notify("READY=1", f"STATUS=listening on {config.host}:{config.port}")
+    manager.start()
+
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({stopping, manager.fatal}, return_when=asyncio.FIRST_COMPLETED)
+    status = manager.fatal.result() if manager.fatal.done() else 0
+    stopping.cancel()
+    log.info("shutting down%s", f" (exit status {status})" if status else "")
+    notify("STOPPING=1")
+    # Stop admitting first; runner.cleanup() then closes the listener, stops
+    # the engines (on_shutdown: in-flight requests end with 503) and waits
+    # for the handlers.
+    manager.begin_shutdown()
     await runner.cleanup()
+    return status
+
+
+async def _reload(manager: ModelManager) -> None:
+    notify("RELOADING=1", monotonic_usec())
+    try:
+        await reload_catalog(manager)
+    except ValueError as exc:
+        log.error("SIGHUP reload failed, catalog unchanged: %s", exc)
+    finally:
+        notify("READY=1")
 
 
 def serve(config: ServeConfig) -> int:
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(run(config))
-    except OSError as exc:
-        log.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
-        return 1
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(run(config))

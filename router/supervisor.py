@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from protocol import PROTOCOL_VERSION, EngineOptions, LoadProgress, Ready
+from protocol import PROTOCOL_VERSION, LoadProgress, Ready
 from router.catalog import CatalogEntry
 from router.engine_client import EngineClient
 
@@ -27,18 +28,25 @@ log = logging.getLogger(__name__)
 
 # Lines of engine output kept to explain a failed start.
 TAIL_LINES = 30
-# Seconds between Shutdown and SIGTERM, and between SIGTERM and SIGKILL.
-STOP_GRACE_SECONDS = 10.0
 
 
 class EngineStartError(RuntimeError):
     pass
 
 
+def engine_args(entry: CatalogEntry) -> list[str]:
+    """The engine's command line, less the per-run socket addresses."""
+    return [
+        sys.executable, "-m", "engine",
+        "--model", str(entry.path),
+        "--name", entry.id,
+        "--options", entry.settings.engine.to_json(),
+    ]
+
+
 class EngineProcess:
-    def __init__(self, entry: CatalogEntry, options: EngineOptions, run_dir: Path, serial: int):
+    def __init__(self, entry: CatalogEntry, run_dir: Path, serial: int):
         self.entry = entry
-        self.options = options
         self.client = EngineClient(run_dir, f"{_slug(entry.id)}-{serial}")
         self.process: asyncio.subprocess.Process | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -56,13 +64,10 @@ class EngineProcess:
     async def start(self, ready_within: float, on_progress: Callable[[LoadProgress], None]) -> Ready:
         self.client.on_progress = on_progress
         argv = [
-            sys.executable, "-m", "engine",
-            "--model", str(self.entry.path),
-            "--name", self.entry.id,
+            *engine_args(self.entry),
             "--input", self.client.input_address,
             "--output", self.client.output_address,
             "--parent-pid", str(os.getpid()),
-            "--options", self.options.to_json(),
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log.info("starting engine for %s: %s", self.entry.id, self.entry.path)
@@ -108,9 +113,11 @@ class EngineProcess:
         if not self.stopping:
             self.client.fail_all(f"engine process exited with status {code}")
 
-    async def stop(self) -> None:
-        """Ask the engine to shut down; terminate, then kill, if it won't."""
+    async def stop(self, reason: str = "the model was unloaded") -> None:
+        """Ask the engine to shut down; terminate, then kill, if it won't
+        (each after the model's stop timeout)."""
         self.stopping = True
+        grace = self.entry.settings.stop_timeout
         process = self.process
         if process is not None and process.returncode is None:
             self.client.shutdown()
@@ -120,21 +127,26 @@ class EngineProcess:
                                 self.entry.id, process.pid, action.__name__)
                     action()
                 try:
-                    await asyncio.wait_for(asyncio.shield(self.exited), STOP_GRACE_SECONDS)
+                    await asyncio.wait_for(asyncio.shield(self.exited), grace)
                     break
                 except TimeoutError:
                     continue
         if self._pump is not None:
             await asyncio.gather(self._pump, return_exceptions=True)
-        self.client.fail_all("the model was unloaded")
+        self.client.fail_all(reason)
         self.client.close()
 
-
-    async def kill(self) -> None:
-        """End the engine now (a failed or abandoned start)."""
+    async def kill(self, grace: float = 0.0) -> None:
+        """End a failed engine: give it `grace` seconds to exit on its own (one
+        that reported EngineDead is on its way out, with a telling exit
+        status), then kill it."""
         self.stopping = True
         if self.process is not None and self.process.returncode is None:
-            self.process.kill()
+            if grace:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.exited), grace)
+            if self.process.returncode is None:
+                self.process.kill()
         if self._pump is not None:
             await asyncio.gather(self._pump, return_exceptions=True)
         self.client.fail_all("the engine was stopped")

@@ -45,6 +45,11 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
+    def cached_pages(self) -> list[int]:
+        """Ids of the cached pages, least recently used first (a copy: the
+        engine keeps these pages' contents across a sleep)."""
+        return list(self._cached)
+
     def is_idle(self, page: int) -> bool:
         """True for a cached page that no sequence holds."""
         return self._ref_counts[page] == 0

@@ -1,12 +1,15 @@
 """API errors and the one middleware that turns exceptions into responses.
 
 Handlers raise ApiError; the middleware renders it in the error shape of the
-API family the route belongs to (OpenAI's for /v1/chat/completions and
-friends). Anything else becomes a logged 500 and the server keeps going.
+API family the route belongs to: OpenAI's for /v1/... (and the unversioned
+/chat/completions and /completions), llama.cpp's for its native routes
+(/health, /models, ...). Anything else becomes a logged 500 and the server
+keeps going.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any
 
@@ -54,6 +57,29 @@ def invalid(message: str, param: str | None, code: str = "invalid_value") -> Api
     return ApiError(400, message, type="invalid_request_error", code=code, param=param)
 
 
+class ErrorShape(enum.Enum):
+    OPENAI = "openai"
+    LLAMACPP = "llamacpp"
+
+
+_OPENAI_UNVERSIONED = ("/chat/completions", "/completions", "/embeddings")
+
+
+def shape_for(path: str) -> ErrorShape:
+    if path.startswith("/v1/") or path in _OPENAI_UNVERSIONED:
+        return ErrorShape.OPENAI
+    return ErrorShape.LLAMACPP
+
+
+def llamacpp_error_body(error: ApiError) -> dict[str, Any]:
+    """llama.cpp's shape: the HTTP status as `code`; like llama.cpp's own
+    specific errors (which add n_ctx and friends) ours add a `reason`."""
+    body: dict[str, Any] = {"code": error.status, "message": error.message, "type": error.type}
+    if error.code:
+        body["reason"] = error.code
+    return {"error": body}
+
+
 def openai_error_body(error: ApiError) -> dict[str, Any]:
     return {
         "error": {
@@ -65,27 +91,31 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.json_response(openai_error_body(error), status=error.status, headers=error.headers)
+def error_response(error: ApiError, shape: ErrorShape = ErrorShape.OPENAI) -> web.Response:
+    body = openai_error_body(error) if shape is ErrorShape.OPENAI else llamacpp_error_body(error)
+    return web.json_response(body, status=error.status, headers=error.headers)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    shape = shape_for(request.path)
     try:
         return await handler(request)
     except ApiError as error:
         if error.status >= 500:
             log.warning("%s %s -> %d %s: %s", request.method, request.path, error.status,
                         error.code, error.message)
-        return error_response(error)
+        return error_response(error, shape)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         # aiohttp's own errors (unknown route, wrong method) in the API's shape.
-        return error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
+        code = exc.reason.lower().replace(" ", "_")
+        return error_response(ApiError(exc.status, exc.reason, code=code), shape)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError(500, "internal server error; see the server log", code="internal_error"))
+        error = ApiError(500, "internal server error; see the server log", code="internal_error")
+        return error_response(error, shape)
 
 
 def _param_from_path(path: str) -> str | None:

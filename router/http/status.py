@@ -6,28 +6,18 @@ from typing import Any
 
 from aiohttp import web
 
-from router.lifecycle import ModelSlot, ModelState
-from router.openai.common import MANAGER
+from router.http.keys import MANAGER
+from router.lifecycle import ModelSlot
 
 
 async def health(request: web.Request) -> web.Response:
-    manager = request.app[MANAGER]
-    if manager.single:
-        # A single-model server is healthy once its model is ready, as with
-        # llama.cpp's server (load balancers wait for the 200).
-        slot = next(iter(manager.slots.values()))
-        if slot.state is not ModelState.LOADED:
-            message = f"model failed to load: {slot.error}" if slot.failed else "Loading model"
-            return web.json_response(
-                {"error": {"code": 503, "message": message, "type": "unavailable_error"}},
-                status=503,
-                headers={"Retry-After": "1"},
-            )
+    # Reaching this handler means the router is up and (for a single-model
+    # server) its model has loaded once: readiness_middleware answers before.
     return web.json_response({"status": "ok"})
 
 
 def _model_load(slot: ModelSlot) -> dict[str, Any]:
-    load: dict[str, Any] = {"id": slot.id, "state": slot.state.value, "in_flight": slot.in_flight}
+    load: dict[str, Any] = {"id": slot.id, "state": slot.state.public, "in_flight": slot.in_flight}
     engine, ready = slot.engine, slot.ready
     if engine is None or ready is None:
         return load

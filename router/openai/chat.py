@@ -8,8 +8,9 @@ from aiohttp import web
 
 from router.generation import Generation, new_request_id
 from router.http.errors import decode_body, invalid
+from router.http.keys import MANAGER
 from router.openai.common import (
-    MANAGER,
+    autoload,
     collect,
     now,
     start_generation,
@@ -92,7 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise invalid(f"the model's chat template rejected these messages: {exc}", "messages") from None
     prompt_ids = await text.encode_prompt_async(prompt)
 
-    async with manager.lease(slot) as engine:
+    async with manager.lease(slot, autoload=autoload(request)) as engine:
         generation = start_generation(
             request.app, slot, engine, text, req, prompt_ids,
             new_request_id("chatcmpl"), max_tokens, max_field,

@@ -13,8 +13,9 @@ from aiohttp import web
 from router.engine_client import EngineFailure
 from router.generation import Generation, GenerationInput
 from router.http.errors import ApiError, invalid, openai_error_body
+from router.http.keys import DEFAULTS, MANAGER
 from router.http.sse import open_event_stream, send_data, send_done
-from router.lifecycle import ModelManager, ModelSlot
+from router.lifecycle import ModelSlot
 from router.openai.params import (
     SamplingDefaults,
     build_sampling,
@@ -25,16 +26,22 @@ from router.openai.schemas import SamplingFields
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
 
-MANAGER = web.AppKey("manager", ModelManager)
-DEFAULTS = web.AppKey("sampling_defaults", dict)
-
 
 def sampling_defaults(app: web.Application, slot: ModelSlot) -> SamplingDefaults:
-    cache: dict[str, SamplingDefaults] = app[DEFAULTS]
-    overrides = app[MANAGER].config.sampling
-    if slot.id not in cache:
-        cache[slot.id] = SamplingDefaults.for_model(slot.entry.path, overrides)
-    return cache[slot.id]
+    cache: dict[object, SamplingDefaults] = app[DEFAULTS]
+    # Keyed by the entry, so a catalog reload that changes it starts afresh.
+    entry = slot.entry
+    if entry not in cache:
+        cache[entry] = SamplingDefaults.for_model(entry.path, entry.settings.sampling)
+    return cache[entry]
+
+
+def autoload(request: web.Request) -> bool:
+    """?autoload=0|1 overrides the server's --no-models-autoload per request."""
+    value = request.query.get("autoload")
+    if value is None:
+        return request.app[MANAGER].config.autoload
+    return value.lower() in ("1", "true", "yes", "on")
 
 
 def check_context(prompt_ids: list[int], max_context: int) -> None:

@@ -8,8 +8,9 @@ from aiohttp import web
 
 from router.generation import Generation, new_request_id
 from router.http.errors import decode_body, invalid
+from router.http.keys import MANAGER
 from router.openai.common import (
-    MANAGER,
+    autoload,
     collect,
     now,
     start_generation,
@@ -72,7 +73,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo:
         echo = prompt if isinstance(prompt, str) else text.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    async with manager.lease(slot) as engine:
+    async with manager.lease(slot, autoload=autoload(request)) as engine:
         assert slot.ready is not None
         _check_vocab(prompt_ids, slot.ready.model.n_vocab)
         generation = start_generation(

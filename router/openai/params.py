@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from protocol import SamplingParams
-from router.config import SamplingOverrides
 from router.http.errors import invalid
 from router.openai.schemas import SamplingFields
+from router.settings import SamplingOverrides
 
 log = logging.getLogger(__name__)
 

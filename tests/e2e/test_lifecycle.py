@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from tests.support.server import Server, wait_until
+from tests.support.sse import SseWatcher
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,7 @@ def test_a_client_that_disconnects_aborts_its_request(router: Server) -> None:
 
 
 def test_a_model_that_fails_to_load_is_reported_and_retried(client: openai.OpenAI, router: Server) -> None:
+    watcher = SseWatcher(router.url + "/models/sse")
     for _ in range(2):  # the second request tries again
         with pytest.raises(openai.APIStatusError) as caught:
             client.chat.completions.create(model="broken", messages=HI, max_tokens=1)
@@ -69,6 +71,11 @@ def test_a_model_that_fails_to_load_is_reported_and_retried(client: openai.OpenA
     card = next(m for m in router.get("/v1/models").json()["data"] if m["id"] == "broken")
     assert card["status"]["value"] == "unloaded" and card["status"]["failed"] is True
     assert "NoSuchModelForCausalLM" in card["status"]["error"]
+    assert card["status"]["exit_code"] == 1
+    watcher.close()
+    failures = [e["data"] for e in watcher.events if e["model"] == "broken" and e["data"]["status"] == "unloaded"]
+    assert len(failures) == 2 and all(f["failed"] and "NoSuchModelForCausalLM" in f["error"] for f in failures)
+    assert watcher.statuses("broken") == ["loading", "unloaded", "loading", "unloaded"]
 
 
 def test_an_engine_that_dies_fails_its_requests_and_comes_back(client: openai.OpenAI, router: Server) -> None:

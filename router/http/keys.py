@@ -1,0 +1,11 @@
+"""Typed keys for what the application object carries."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.lifecycle import ModelManager
+
+MANAGER = web.AppKey("manager", ModelManager)
+STARTED = web.AppKey("started", int)
+DEFAULTS = web.AppKey("sampling_defaults", dict)

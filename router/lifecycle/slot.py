@@ -1,0 +1,81 @@
+"""One catalog model's place in the lifecycle.
+
+    UNLOADED ──load──> LOADING ──Ready──> LOADED ──evict/unload──> UNLOADING ──> UNLOADED
+       ^                  │                │  ^
+       └──────failed──────┘          sleep │  │ wake
+                                           v  │
+                              SUSPENDING ──> SLEEPING ──wake──> WAKING ──Awake──> LOADED
+
+SUSPENDING and WAKING are the transitions into and out of SLEEPING; clients
+see them as "sleeping" and "loading" (llama.cpp's router has no names for
+them). A failed load, or an engine that dies, leaves the model UNLOADED with
+`failed` and `error` set until its next load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from protocol import Ready
+from router.catalog import CatalogEntry
+from router.supervisor import EngineProcess
+from router.text.model_text import ModelText
+
+
+class ModelState(enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    SUSPENDING = "suspending"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
+    UNLOADING = "unloading"
+
+    @property
+    def public(self) -> str:
+        """The status value clients see (llama.cpp's names)."""
+        return _PUBLIC.get(self, self.value)
+
+    @property
+    def holds_device(self) -> bool:
+        """Counts against --models-max: the engine holds (or is taking, or
+        still giving back) device memory."""
+        return self not in (ModelState.UNLOADED, ModelState.SLEEPING)
+
+
+_PUBLIC = {ModelState.SUSPENDING: "sleeping", ModelState.WAKING: "loading"}
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    entry: CatalogEntry
+    state: ModelState = ModelState.UNLOADED
+    engine: EngineProcess | None = None
+    # The engine's handshake; kept while it sleeps.
+    ready: Ready | None = None
+    in_flight: int = 0
+    # Requests waiting for this model to load or wake; it is not evicted meanwhile.
+    pending: int = 0
+    # monotonic time of the last request's start or end (0: never used).
+    last_used: float = 0.0
+    failed: bool = False
+    error: str | None = None
+    exit_code: int | None = None
+    progress: float = 0.0
+    # The transition under way (load, wake, sleep, unload), if any.
+    task: asyncio.Task[None] | None = None
+    # An unload was asked for; it runs once the in-flight requests are done.
+    unload_requested: bool = False
+    text: ModelText | None = None
+    text_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.entry.id
+
+    @property
+    def max_context(self) -> int:
+        assert self.ready is not None
+        return self.ready.kv.max_context

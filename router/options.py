@@ -1,0 +1,274 @@
+"""Per-model options: one table, used three ways.
+
+Each option has one name (`max-context`), written `--max-context` on the
+command line and `max-context = ...` in a preset. The table builds the
+`roundhouse serve` flags, parses preset values, and says where each value
+lands in ModelSettings. A model's settings are resolved from layers, lowest
+precedence first: built-in defaults <- preset [*] <- the model's section <-
+the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import EngineOptions
+from protocol.launch import DTYPES
+from router.settings import ModelSettings, SamplingOverrides
+
+
+class OptionValueError(ValueError):
+    """A value an option cannot take; the message says what it wants."""
+
+
+Parse = Callable[[str], Any]
+
+
+def integer(low: int, high: int | None = None) -> Parse:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise OptionValueError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise OptionValueError(f"must be {span}, got {value}")
+        return value
+
+    return parse
+
+
+def number(low: float, high: float | None = None, *, low_open: bool = False) -> Parse:
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise OptionValueError(f"expected a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            raise OptionValueError(f"must be {_span(low, high, low_open)}, got {text.strip()!r}")
+        return value
+
+    return parse
+
+
+def _span(low: float, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"> {low}" if low_open else f">= {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
+
+
+def power_of_two(text: str) -> int:
+    value = integer(1)(text)
+    if value & (value - 1):
+        raise OptionValueError(f"must be a power of two, got {value}")
+    return value
+
+
+def choice(*values: str) -> Parse:
+    def parse(text: str) -> str:
+        value = text.strip()
+        if value not in values:
+            raise OptionValueError(f"must be one of {', '.join(values)}, got {value!r}")
+        return value
+
+    return parse
+
+
+# llama.cpp's presets write flags as true/false, 1/0 or on/off.
+_TRUE = frozenset({"true", "1", "on", "yes"})
+_FALSE = frozenset({"false", "0", "off", "no"})
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise OptionValueError(f"expected true or false, got {text.strip()!r}")
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device(text: str) -> str:
+    value = text.strip()
+    if not _DEVICE.fullmatch(value):
+        raise OptionValueError(f"must be cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of model names (`alias = a, b`)."""
+    parts = tuple(part.strip() for part in text.split(","))
+    if not any(parts):
+        raise OptionValueError("expected one or more names separated by commas")
+    if not all(parts):
+        raise OptionValueError(f"empty name in {text.strip()!r}")
+    for index, part in enumerate(parts):
+        if part in parts[:index]:
+            raise OptionValueError(f"{part!r} is listed twice")
+    return parts
+
+
+@dataclass(frozen=True)
+class ModelOption:
+    name: str
+    parse: Parse
+    # Where the value lands: a ModelSettings field, or "engine.<field>" /
+    # "sampling.<field>" inside its nested structs.
+    target: str
+    help: str
+    metavar: str | None = None
+    # A switch: `--model-suspend` / `--no-model-suspend`, `model-suspend = true`.
+    flag: bool = False
+    # Only a model's own preset section may set it (not [*], not the command line).
+    section_only: bool = False
+
+    @property
+    def default(self) -> Any:
+        # Read from ModelSettings itself, so the table never disagrees with it.
+        value: Any = ModelSettings()
+        for part in self.target.split("."):
+            value = getattr(value, part)
+        return value
+
+    @property
+    def dest(self) -> str:
+        # Prefixed so no per-model option can collide with a router-wide one.
+        return "model_" + self.name.replace("-", "_")
+
+
+OPTIONS: tuple[ModelOption, ...] = (
+    ModelOption("device", device, "engine.device", "cpu, cuda or cuda:N", "DEVICE"),
+    ModelOption("dtype", choice(*DTYPES), "engine.dtype",
+                "weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), "
+                "float32, bfloat16 or float16", "DTYPE"),
+    ModelOption("page-size", power_of_two, "engine.page_size",
+                "tokens per KV page (a power of two)", "N"),
+    ModelOption("max-concurrency", integer(1), "engine.max_concurrency",
+                "lanes: requests decoded together; more wait in arrival order", "N"),
+    ModelOption("max-batched-tokens", integer(1), "engine.max_batched_tokens",
+                "tokens one engine step computes (decode rows plus prefill chunks); "
+                "at least max-concurrency", "N"),
+    ModelOption("max-context", integer(0), "engine.max_context",
+                "context length in tokens (0: the model's trained context)", "N"),
+    ModelOption("kv-capacity", integer(0), "engine.kv_capacity_tokens",
+                "KV pool size in tokens (0: sized automatically)", "N"),
+    ModelOption("output-window", integer(0), "engine.output_window",
+                "output tokens admission reserves KV for, beyond the prompt", "N"),
+    ModelOption("threads", integer(0), "engine.threads",
+                "CPU threads per engine (0: torch's default)", "N"),
+    ModelOption("seed", integer(0, 2**64 - 1), "engine.seed",
+                "seed of the shared generator for requests that bring no seed", "N"),
+    ModelOption("temp", number(0.0, 2.0), "sampling.temperature",
+                "default temperature for requests that set none", "T"),
+    ModelOption("top-k", integer(-1), "sampling.top_k",
+                "default top_k for requests that set none (0 or -1: off)", "K"),
+    ModelOption("top-p", number(0.0, 1.0, low_open=True), "sampling.top_p",
+                "default top_p for requests that set none", "P"),
+    ModelOption("min-p", number(0.0, 1.0), "sampling.min_p",
+                "default min_p for requests that set none", "P"),
+    ModelOption("model-suspend", boolean, "model_suspend",
+                "to make room under --models-max, put this model to sleep instead of "
+                "unloading it", flag=True),
+    ModelOption("suspend-weights", choice("host", "disk"), "suspend_weights",
+                "where a sleeping model's weights wait: host (pinned memory, fast wake) "
+                "or disk (read again on wake)", "WHERE"),
+    ModelOption("sleep-idle-seconds", number(0.0), "sleep_idle_seconds",
+                "put the model to sleep after this many seconds without requests (0: never)", "S"),
+    ModelOption("unload-idle-seconds", number(0.0), "unload_idle_seconds",
+                "unload the model after this many seconds without requests (0: never)", "S"),
+    ModelOption("load-timeout", number(0.0, low_open=True), "load_timeout",
+                "seconds a load or wake may take before it counts as failed", "S"),
+    ModelOption("stop-timeout", number(0.0), "stop_timeout",
+                "seconds an engine gets to exit after shutdown before it is terminated", "S"),
+    ModelOption("load-on-startup", boolean, "load_on_startup",
+                "load the model when the router starts", flag=True, section_only=True),
+    ModelOption("alias", names, "aliases",
+                "other names requests may use for the model (a, b)", section_only=True),
+)
+
+BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}
+
+# Options of the router as a whole: refused in a preset, which configures models.
+ROUTER_OPTIONS = frozenset({
+    "host", "port", "models-dir", "models-preset", "models-max", "models-autoload",
+    "no-models-autoload", "pending-timeout-ms", "log-level",
+})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every command-line option of the table, each defaulting to None so
+    that `given_options` knows what the command line really said."""
+    group = parser.add_argument_group(
+        "per-model options (they override the preset's [*] and model sections)")
+    for option in OPTIONS:
+        if option.section_only:
+            continue
+        if option.flag:
+            group.add_argument(f"--{option.name}", dest=option.dest, default=None,
+                               action=argparse.BooleanOptionalAction,
+                               help=f"{option.help} (default: {describe_default(option)})")
+        else:
+            group.add_argument(f"--{option.name}", dest=option.dest, default=None,
+                               type=_argparse_type(option), metavar=option.metavar,
+                               help=f"{option.help} (default: {describe_default(option)})")
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-model options the command line gave, by option name."""
+    return {
+        option.name: value
+        for option in OPTIONS
+        if not option.section_only and (value := getattr(args, option.dest, None)) is not None
+    }
+
+
+def resolve_settings(layers: Iterable[Mapping[str, Any]]) -> ModelSettings:
+    """ModelSettings from option layers (name -> parsed value), lowest
+    precedence first; what no layer gives keeps its built-in default.
+
+    Raises ValueError for an unknown option name or a combination that
+    EngineOptions refuses (e.g. max-batched-tokens below max-concurrency)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged.update(layer)
+    engine: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    for name, value in merged.items():
+        option = BY_NAME.get(name)
+        if option is None:
+            raise ValueError(f"unknown option {name!r}")
+        group, _, field_name = option.target.rpartition(".")
+        {"engine": engine, "sampling": sampling, "": fields}[group][field_name] = value
+    return ModelSettings(engine=EngineOptions(**engine), sampling=SamplingOverrides(**sampling),
+                         **fields)
+
+
+def _argparse_type(option: ModelOption) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return option.parse(text)
+        except OptionValueError as exc:
+            # argparse prints this message after the option's name.
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = option.name
+    return parse
+
+
+def describe_default(option: ModelOption) -> str:
+    if option.default is None:
+        # Only the sampling defaults are unset: they fall through to the model.
+        return "the model's generation_config.json, else llama.cpp's"
+    if option.flag:
+        return "true" if option.default else "false"
+    return str(option.default)

@@ -1,0 +1,43 @@
+"""What the router knows about serving one model, resolved once per model from
+the defaults, a preset's [*] section, the model's own section and the command
+line (in rising order of precedence; see router/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from protocol import EngineOptions
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Sampling defaults for requests that set none (llama.cpp's --temp,
+    --top-k, --top-p, --min-p); None leaves the next source in charge."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    # To make room under --models-max, sleep this model instead of unloading it.
+    model_suspend: bool = False
+    # Where a sleeping model's weights wait: pinned host memory (fast wake) or
+    # nowhere (read from disk again on wake).
+    suspend_weights: Literal["host", "disk"] = "disk"
+    # 0 disables each idle timer. Only requests count as use.
+    sleep_idle_seconds: float = 0.0
+    unload_idle_seconds: float = 0.0
+    # Seconds a load (or wake) may take before it counts as failed.
+    load_timeout: float = 600.0
+    # Seconds an engine gets to exit after Shutdown before it is terminated.
+    stop_timeout: float = 10.0
+    # Preset only: load when the router starts.
+    load_on_startup: bool = False
+    # Other names requests may use for this model.
+    aliases: tuple[str, ...] = ()

@@ -1,0 +1,207 @@
+"""The per-model option table: value parsing, the flags it builds, and how a
+model's settings are resolved from layers."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from protocol import EngineOptions
+from router.options import (
+    BY_NAME,
+    OPTIONS,
+    ROUTER_OPTIONS,
+    OptionValueError,
+    add_arguments,
+    boolean,
+    given_options,
+    names,
+    resolve_settings,
+)
+from router.settings import ModelSettings, SamplingOverrides
+
+CLI_NAMES = (
+    "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
+    "output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
+    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout"
+).split()
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    return parser
+
+
+def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
+    flags = {opt for action in parser()._actions for opt in action.option_strings}
+    expected = {f"--{name}" for name in CLI_NAMES} | {"--no-model-suspend", "-h", "--help"}
+    assert flags == expected
+
+
+def test_preset_only_options_are_alias_and_load_on_startup() -> None:
+    assert {option.name for option in OPTIONS if option.section_only} == {"alias", "load-on-startup"}
+
+
+def test_defaults_come_from_model_settings() -> None:
+    assert BY_NAME["max-concurrency"].default == 8
+    assert BY_NAME["kv-capacity"].default == 0
+    assert BY_NAME["temp"].default is None
+    assert BY_NAME["suspend-weights"].default == "disk"
+    assert BY_NAME["stop-timeout"].default == 10.0
+    assert BY_NAME["alias"].default == ()
+
+
+def test_no_per_model_option_is_a_router_option() -> None:
+    assert not ROUTER_OPTIONS & set(BY_NAME)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "value"),
+    [
+        ("max-context", " 65536 ", 65536),
+        ("page-size", "32", 32),
+        ("top-k", "-1", -1),
+        ("temp", "0", 0.0),
+        ("top-p", "1", 1.0),
+        ("min-p", "0.05", 0.05),
+        ("device", "cuda:1", "cuda:1"),
+        ("dtype", "bfloat16", "bfloat16"),
+        ("suspend-weights", "host", "host"),
+        ("load-timeout", "2.5", 2.5),
+        ("seed", str(2**64 - 1), 2**64 - 1),
+        ("alias", "a, b ,c", ("a", "b", "c")),
+    ],
+)
+def test_values_parse(name: str, text: str, value: object) -> None:
+    assert BY_NAME[name].parse(text) == value
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reason"),
+    [
+        ("max-context", "32k", "expected an integer, got '32k'"),
+        ("max-context", "-1", "must be >= 0, got -1"),
+        ("max-concurrency", "0", "must be >= 1, got 0"),
+        ("page-size", "24", "must be a power of two, got 24"),
+        ("top-k", "-2", "must be >= -1, got -2"),
+        ("temp", "hot", "expected a number, got 'hot'"),
+        ("temp", "2.5", "must be in [0.0, 2.0], got '2.5'"),
+        ("temp", "nan", "must be in [0.0, 2.0], got 'nan'"),
+        ("top-p", "0", "must be in (0.0, 1.0], got '0'"),
+        ("load-timeout", "0", "must be > 0.0, got '0'"),
+        ("sleep-idle-seconds", "-5", "must be >= 0.0, got '-5'"),
+        ("seed", str(2**64), f"must be in 0..{2**64 - 1}, got {2**64}"),
+        ("device", "gpu", "must be cpu, cuda or cuda:N, got 'gpu'"),
+        ("dtype", "int8", "must be one of auto, float32, bfloat16, float16, got 'int8'"),
+        ("suspend-weights", "ram", "must be one of host, disk, got 'ram'"),
+        ("model-suspend", "maybe", "expected true or false, got 'maybe'"),
+        ("alias", " , ", "expected one or more names separated by commas"),
+        ("alias", "a,,b", "empty name in 'a,,b'"),
+        ("alias", "a, a", "'a' is listed twice"),
+    ],
+)
+def test_bad_values_say_what_is_wanted(name: str, text: str, reason: str) -> None:
+    with pytest.raises(OptionValueError) as caught:
+        BY_NAME[name].parse(text)
+    assert str(caught.value) == reason
+
+
+@pytest.mark.parametrize("text", ["true", "TRUE", "1", "on", "yes"])
+def test_boolean_true(text: str) -> None:
+    assert boolean(text) is True
+
+
+@pytest.mark.parametrize("text", ["false", "False", "0", "off", "no"])
+def test_boolean_false(text: str) -> None:
+    assert boolean(text) is False
+
+
+def test_names_keep_their_order() -> None:
+    assert names("b,a") == ("b", "a")
+
+
+def test_given_options_holds_only_what_the_command_line_said() -> None:
+    args = parser().parse_args(["--max-context", "4096", "--temp", "0.2", "--threads", "1"])
+    assert given_options(args) == {"max-context": 4096, "temp": 0.2, "threads": 1}
+    assert given_options(parser().parse_args([])) == {}
+
+
+def test_flags_can_be_turned_on_and_off() -> None:
+    assert given_options(parser().parse_args(["--model-suspend"])) == {"model-suspend": True}
+    assert given_options(parser().parse_args(["--no-model-suspend"])) == {"model-suspend": False}
+
+
+def test_a_bad_command_line_value_names_the_flag_and_the_reason() -> None:
+    with pytest.raises(argparse.ArgumentError) as caught:
+        parser().parse_args(["--page-size", "3"])
+    assert str(caught.value) == "argument --page-size: must be a power of two, got 3"
+
+
+def test_no_layers_give_the_built_in_defaults() -> None:
+    assert resolve_settings([]) == ModelSettings()
+
+
+def test_every_option_lands_in_its_field() -> None:
+    settings = resolve_settings([{
+        "device": "cuda:1", "dtype": "bfloat16", "page-size": 32, "max-concurrency": 4,
+        "max-batched-tokens": 1024, "max-context": 8192, "kv-capacity": 65536,
+        "output-window": 128, "threads": 2, "seed": 7,
+        "temp": 0.6, "top-k": 20, "top-p": 0.9, "min-p": 0.01,
+        "model-suspend": True, "suspend-weights": "host", "sleep-idle-seconds": 60.0,
+        "unload-idle-seconds": 600.0, "load-timeout": 30.0, "stop-timeout": 3.0,
+        "load-on-startup": True, "alias": ("a", "b"),
+    }])
+    assert settings == ModelSettings(
+        engine=EngineOptions(device="cuda:1", dtype="bfloat16", page_size=32, max_concurrency=4,
+                             max_batched_tokens=1024, max_context=8192, kv_capacity_tokens=65536,
+                             output_window=128, threads=2, seed=7),
+        sampling=SamplingOverrides(temperature=0.6, top_k=20, top_p=0.9, min_p=0.01),
+        model_suspend=True, suspend_weights="host", sleep_idle_seconds=60.0,
+        unload_idle_seconds=600.0, load_timeout=30.0, stop_timeout=3.0,
+        load_on_startup=True, aliases=("a", "b"),
+    )
+
+
+def test_later_layers_win_and_earlier_ones_fill_the_rest() -> None:
+    everyone = {"max-context": 1000, "temp": 0.1, "threads": 2}
+    section = {"max-context": 2000, "temp": 0.2}
+    command_line = {"max-context": 3000}
+    settings = resolve_settings([everyone, section, command_line])
+    assert settings.engine.max_context == 3000
+    assert settings.sampling.temperature == 0.2
+    assert settings.engine.threads == 2
+    assert settings.engine.max_concurrency == 8
+
+
+def test_an_unknown_option_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown option 'max-ctx'"):
+        resolve_settings([{"max-ctx": 1}])
+
+
+def test_a_combination_engine_options_refuses_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"max batched tokens \(4\) must be at least"):
+        resolve_settings([{"max-concurrency": 8}, {"max-batched-tokens": 4}])
+
+
+def _documented_default(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, tuple):
+        return "none" if not value else ", ".join(value)
+    return f"{value:g}"
+
+
+def test_docs_list_every_option_with_its_default() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "presets.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| ([^|]*?) \|", text, flags=re.MULTILINE))
+    assert {name: rows.get(name) for name in BY_NAME} == {
+        option.name: _documented_default(option.default) for option in OPTIONS
+    }
