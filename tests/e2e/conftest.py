@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.support.broken_model import write_broken_model
 from tests.support.server import Server, running_server
 
 
@@ -18,14 +17,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path, tin
     directory = tmp_path_factory.mktemp("models")
     (directory / "smollm2.gguf").symlink_to(smollm2_gguf)
     (directory / "qwen3-tiny").symlink_to(tiny_qwen3_dir, target_is_directory=True)
-    broken = directory / "broken"
-    broken.mkdir()
-    # Loads as far as the engine, which refuses an architecture it doesn't know.
-    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
-    config["architectures"] = ["NoSuchModelForCausalLM"]
-    (broken / "config.json").write_text(json.dumps(config))
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_qwen3_dir / name, broken / name)
+    write_broken_model(directory / "broken", tiny_qwen3_dir)
     # Not a model: skipped by the catalog with a log line.
     (directory / "notes.txt").write_text("not a model")
     return directory

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from tests.e2e.lifecycle_support import alive, pid, status
+from tests.support.broken_model import UNKNOWN_ARCHITECTURE, write_broken_model
 from tests.support.server import Server, free_port, running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -105,13 +106,7 @@ def test_an_engine_failure_exits_two(tmp_path: Path, tiny_qwen3_dir: Path) -> No
 
 
 def test_a_model_that_cannot_load_exits_one(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
-    config["architectures"] = ["NoSuchModelForCausalLM"]
-    (broken / "config.json").write_text(json.dumps(config))
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        (broken / name).symlink_to(tiny_qwen3_dir / name)
+    broken = write_broken_model(tmp_path / "broken", tiny_qwen3_dir)
     server = start([str(broken), "--threads", "1"], tmp_path / "router.log")
     assert server.process.wait(60) == 1
-    assert "NoSuchModelForCausalLM" in server.log()
+    assert UNKNOWN_ARCHITECTURE in server.log()

@@ -8,7 +8,6 @@ threads and the router are covered by the end-to-end tests.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,10 @@ import protocol as p
 from engine.bootstrap import build_engine
 from engine.core import EngineCore
 
+# Two cores shared with other processes: one torch thread is faster and steadier.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two cores shared with other processes: one thread is faster and steadier.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.EngineEvent]]:

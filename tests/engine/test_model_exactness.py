@@ -19,6 +19,9 @@ from engine.attention_metadata import AttentionMetadata
 from engine.loader import load_model
 from engine.models import CausalLM
 
+# Two cores shared with other processes: one torch thread is faster and steadier.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PAGE_SIZE = 16
 CHUNK = 7
 NEW_TOKENS = 24
@@ -34,16 +37,6 @@ LONG_TEXT = (
     "few survive as museums, concert halls and markets, still arranged around the turntable "
     "that gave them their shape."
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The test machine's two cores are shared: a second intra-op thread spins
-    # in OpenMP barriers while another process holds the core (10x slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class PagedRunner:

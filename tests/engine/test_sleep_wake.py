@@ -9,7 +9,6 @@ CUDA and checks that the device memory really goes back.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,10 @@ from engine.bootstrap import build_engine
 from engine.core import EngineCore
 from engine.device_state import WeightStash, model_tensors
 
+# Two cores shared with other processes: one torch thread is faster and steadier.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PAGE = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two cores shared with other processes: one thread is faster and steadier.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_engine(model: Path) -> tuple[EngineCore, list[p.EngineEvent]]:

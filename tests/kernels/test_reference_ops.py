@@ -18,22 +18,15 @@ from kernels.reference import (
     write_kv_cache,
 )
 
+# Two cores shared with other processes: one torch thread is faster and steadier.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 HEAD_DIM = 32
 NUM_KV_HEADS = 2
 # (cached tokens after the step, new tokens in the step) per sequence: a first
 # decode token, decode rows at and across page boundaries, a whole prompt, and
 # prefill chunks over a cached prefix that start and end mid-page.
 MIXED_BATCH = [(1, 1), (17, 1), (33, 33), (40, 7), (16, 16), (5, 3), (64, 1), (23, 9)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The test machine's two cores are shared: a second intra-op thread spins
-    # in OpenMP barriers while another process holds the core (10x slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def dense_causal_attention(
