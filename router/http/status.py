@@ -49,6 +49,9 @@ def _model_load(slot: ModelSlot) -> dict[str, Any]:
 
 
 async def load(request: web.Request) -> web.Response:
-    """What each model's engine published with its latest step."""
+    """What each model's engine published with its latest step; a GET names
+    one model with ?model= (never loading or waking it)."""
     manager = request.app[MANAGER]
-    return web.json_response({"models": [_model_load(slot) for slot in manager.slots.values()]})
+    name = request.query.get("model")
+    slots = [manager.resolve(name)] if name else list(manager.slots.values())
+    return web.json_response({"models": [_model_load(slot) for slot in slots]})

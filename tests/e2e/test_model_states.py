@@ -123,7 +123,11 @@ def test_polling_never_wakes_or_loads(server: Server) -> None:
         server.get("/v1/models")
         server.get("/health")
         server.get("/v1/load")
+        # A GET names its model with ?model=, aliases and all, without loading it.
+        (one,) = server.get("/v1/load", params={"model": "qwen2-tiny"}).json()["models"]
+        assert one == {"id": "qwen2-tiny", "state": "unloaded", "in_flight": 0}
     assert {m["status"]["value"] for m in server.get("/models").json()["data"]} == {"unloaded"}
+    assert server.get("/v1/load", params={"model": "nope"}).status_code == 404
 
 
 def test_a_request_for_a_loading_model_waits_for_the_same_load(server: Server) -> None:
