@@ -2,6 +2,10 @@
 
 It never touches a socket: commands arrive on a queue filled by the input
 thread and events leave through `emit`, which hands them to the output thread.
+
+Requests with a grammar get an xgrammar matcher when they arrive (the grammar
+is compiled then); every step masks their logits and advances their matchers
+(engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from engine.grammar import EngineGrammar, GrammarError
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -24,6 +29,7 @@ from protocol import (
     EngineStats,
     ErrorCode,
     Generate,
+    GrammarVocab,
     RequestError,
     RequestOutput,
     RouterCommand,
@@ -55,6 +61,7 @@ class EngineCore:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.emit = emit
+        self.grammar = EngineGrammar(vocab_size, scheduler.eos_token_ids, runner.device)
         self.step_count = 0
         self._pending: list[RequestOutput] = []
         self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
@@ -69,8 +76,10 @@ class EngineCore:
             self._add(command)
         elif isinstance(command, Abort):
             for seq in self.scheduler.abort(command.request_ids):
-                self.sampler.forget(seq.request_id)
+                self._forget(seq.request_id)
                 self._pending.append(self._output(seq, []))
+        elif isinstance(command, GrammarVocab):
+            self.grammar.set_vocab(command)
         elif isinstance(command, Sleep):
             self._sleep(command)
         elif isinstance(command, Wake):
@@ -133,6 +142,13 @@ class EngineCore:
             code, message = error
             self.emit(RequestError(command.request_id, code, message))
             return
+        grammar = command.params.grammar
+        if grammar is not None:
+            try:
+                self.grammar.admit(command.request_id, grammar)
+            except GrammarError as exc:
+                self.emit(RequestError(command.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
+                return
         seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
         self.scheduler.add(seq)
         self._stats.prompt_tokens_total += seq.num_prompt_tokens
@@ -180,14 +196,38 @@ class EngineCore:
 
     def step(self) -> None:
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out) if not out.is_empty else []
+        sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
+        # Sequences with no output yet are prefilling their prompt.
+        reporting = [chunk.seq for chunk in out.chunks
+                     if chunk.seq.params.report_progress and chunk.seq.num_output_tokens == 0]
+        mask = self.grammar.fill(sampling)
+        sampled = self.runner.execute(out, mask) if not out.is_empty else []
+        verdict = self.grammar.accept(sampling, sampled)
         self.step_count += 1
-        for seq in self.scheduler.update(out, sampled):
+        changed = self.scheduler.update(out, sampled, verdict.completed)
+        # Progress first, so a prompt's last report (all of it processed)
+        # arrives before its first token.
+        self._pending.extend(self._progress(seq) for seq in reporting)
+        for seq in changed:
+            if seq.request_id in verdict.rejected:
+                continue
             self._pending.append(self._output(seq, seq.token_ids[-1:]))
             if seq.finish_reason is not None:
-                self.sampler.forget(seq.request_id)
+                self._forget(seq.request_id)
+        for request_id, message in verdict.rejected.items():
+            self._fail(request_id, message)
         self._stats.generated_tokens_total += len(sampled)
         self._publish()
+
+    def _fail(self, request_id: str, message: str) -> None:
+        """End a running request with a request error (its grammar cannot go on)."""
+        self.scheduler.abort([request_id])  # nothing to do if it just finished
+        self._forget(request_id)
+        self.emit(RequestError(request_id, ErrorCode.INVALID_REQUEST, message))
+
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        self.grammar.forget(request_id)
 
     def _output(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -196,6 +236,17 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _progress(self, seq: Sequence) -> RequestOutput:
+        """A prompt-progress report: no tokens, no finish reason; prompt tokens
+        found in the prefix cache count as computed."""
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
         )
 
     def _publish(self) -> None:

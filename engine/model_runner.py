@@ -28,6 +28,7 @@ from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.token_mask import TokenMask
 
 
 @dataclass
@@ -135,8 +136,9 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Returns one sampled token per chunk whose `samples` is true, in order."""
+    def execute(self, out: SchedulerOutput, mask: TokenMask | None = None) -> list[int]:
+        """Returns one sampled token per chunk whose `samples` is true, in order;
+        mask (grammar rows) is indexed by those sampled rows."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -183,4 +185,4 @@ class ModelRunner:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return self.sampler.sample(logits, sample_seqs)
+        return self.sampler.sample(logits, sample_seqs, mask)

@@ -1,18 +1,23 @@
 """Turns the last-position logits of a batch into one token per row.
 
-Greedy rows take the argmax. Sampled rows apply penalties, temperature, then
-top-k, top-p and min-p on one sorted copy of the batch, and draw from what is
-left. A request with a seed draws from its own generator, so its tokens do not
-depend on which other requests share the batch.
+Grammar rows first lose the tokens their grammar forbids (a TokenMask, see
+engine/grammar.py). Greedy rows take the argmax. Sampled rows apply
+penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
+batch, and draw from what is left. A request with a seed draws from its own
+generator, so its tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.token_mask import TokenMask
 
 
 class Sampler:
@@ -36,8 +41,11 @@ class Sampler:
         return generator
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-        """logits: float32 [N, vocab], row i belongs to seqs[i]."""
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], mask: TokenMask | None = None) -> list[int]:
+        """logits: float32 [N, vocab], row i belongs to seqs[i]; mask, if any,
+        is applied first, so penalties and truncation see only allowed tokens."""
+        if mask is not None:
+            mask.apply(logits)
         self._apply_penalties(logits, seqs)
         result = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -52,17 +60,20 @@ class Sampler:
             params = seq.params
             if not params.has_penalties:
                 continue
+            window = params.penalty_last_n
+            recent = seq.token_ids[-window:] if window > 0 else seq.token_ids
             if params.repetition_penalty != 1.0:
                 # Prompt and output tokens alike, as llama.cpp and transformers do:
                 # divide positive logits, multiply negative ones.
-                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+                seen = torch.tensor(sorted(set(recent)), device=logits.device)
                 values = logits[row, seen]
                 logits[row, seen] = torch.where(
                     values > 0, values / params.repetition_penalty, values * params.repetition_penalty
                 )
-            output = seq.output_token_ids
+            # OpenAI's definition: only generated tokens count; with a window,
+            # llama.cpp's: the last tokens of the context.
+            output = recent if window > 0 else seq.output_token_ids
             if output and (params.presence_penalty or params.frequency_penalty):
-                # OpenAI's definition: only generated tokens count.
                 counts = torch.bincount(
                     torch.tensor(output, device=logits.device), minlength=logits.shape[1]
                 ).to(logits.dtype)

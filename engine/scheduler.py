@@ -16,7 +16,7 @@ recomputed from its prompt and the tokens it already produced.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
@@ -162,9 +162,12 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               completed: Container[str] = ()) -> list[Sequence]:
         """Apply a finished step: advance progress, append sampled tokens, and
-        finish sequences. Returns the sequences that got a token or finished."""
+        finish sequences; `completed` names requests whose grammar is complete,
+        which stop whatever their token (ignore_eos too). Returns the
+        sequences that got a token or finished."""
         changed: list[Sequence] = []
         tokens = iter(sampled)
         for chunk in out.chunks:
@@ -176,7 +179,7 @@ class Scheduler:
             token = next(tokens)
             seq.token_ids.append(token)
             changed.append(seq)
-            reason = self._finish_reason(seq, token)
+            reason = "stop" if seq.request_id in completed else self._finish_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)

@@ -14,6 +14,7 @@ from protocol.messages import (
     EngineEvent,
     EngineStats,
     Generate,
+    GrammarVocab,
     KvFacts,
     LoadProgress,
     ModelFacts,
@@ -30,7 +31,7 @@ from protocol.messages import (
     encoder,
     event_decoder,
 )
-from protocol.sampling import FinishReason, SamplingParams
+from protocol.sampling import FinishReason, GrammarKind, GrammarSpec, SamplingParams
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -43,6 +44,9 @@ __all__ = [
     "ErrorCode",
     "FinishReason",
     "Generate",
+    "GrammarKind",
+    "GrammarSpec",
+    "GrammarVocab",
     "KvFacts",
     "LoadProgress",
     "ModelFacts",

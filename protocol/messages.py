@@ -1,6 +1,7 @@
 """The router<->engine messages: one tagged union per direction.
 
-Router -> engine: RouterCommand (Generate, Abort, Sleep, Wake, Shutdown).
+Router -> engine: RouterCommand (Generate, Abort, GrammarVocab, Sleep, Wake,
+Shutdown).
 Engine -> router: EngineEvent (LoadProgress, Ready, StepOutputs, RequestError,
 Slept, Awake, EngineDead).
 
@@ -21,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -37,6 +38,20 @@ class Generate(msgspec.Struct, tag="gen", **_STRUCT):
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
     request_ids: list[str]
+
+
+class GrammarVocab(msgspec.Struct, tag="vocab", **_STRUCT):
+    """The tokenizer's vocabulary as xgrammar needs it, sent once before the
+    first request with a grammar (the router owns the tokenizer).
+
+    tokens[i] is token i as stored in the tokenizer (byte-level BPE tokens in
+    their mapped form, "Ġthe"; SentencePiece tokens with "▁" and <0xNN>);
+    vocab_type tells xgrammar how to read them back into bytes.
+    """
+
+    tokens: list[str]
+    vocab_type: Literal["raw", "byte_fallback", "byte_level"]
+    add_prefix_space: bool = False
 
 
 class Sleep(msgspec.Struct, tag="sleep", **_STRUCT):
@@ -59,7 +74,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
     pass
 
 
-RouterCommand = Generate | Abort | Sleep | Wake | Shutdown
+RouterCommand = Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown
 
 
 # ---- engine -> router ---------------------------------------------------------
@@ -114,6 +129,9 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     num_prompt_tokens: int = 0
     # Prompt tokens served from the prefix cache instead of computed.
     num_cached_tokens: int = 0
+    # Prompt tokens processed so far (cached ones included); sent after each
+    # prefill chunk when SamplingParams.report_progress is set.
+    num_computed_tokens: int = 0
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):

@@ -12,6 +12,20 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+
+
+class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """A constraint on what may be generated, enforced by the engine with
+    xgrammar token masks. `source` is a JSON schema (json_schema), ignored
+    (json_object: any JSON object), a regular expression (regex), GBNF/EBNF
+    (ebnf) or an xgrammar structural tag as JSON (structural_tag: e.g. free
+    text with tool calls that must match their schemas once opened)."""
+
+    kind: GrammarKind
+    source: str = ""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """Per-request sampling settings, already validated by the router.
 
@@ -30,6 +44,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None
+    # Which tokens the penalties look at. 0: OpenAI's rule (the repetition
+    # penalty over the whole context, presence and frequency over generated
+    # tokens). N > 0: all three over the last N tokens of the context, as
+    # llama.cpp's repeat_last_n does.
+    penalty_last_n: int = 0
+    # Send a RequestOutput after every prefill chunk with num_computed_tokens
+    # (llama.cpp's return_progress).
+    report_progress: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="default: 8080")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default: info")
+    serve.add_argument("--response-store-max-records", type=int, default=10_000, metavar="N",
+                       help="Responses API responses kept for previous_response_id and GET, "
+                            "least recently used dropped first (default: 10000)")
+    serve.add_argument("--response-store-max-mib", type=float, default=512.0, metavar="MIB",
+                       help="memory those stored responses may take, in MiB (default: 512)")
     add_arguments(serve)
     sub.add_parser("fetch-default", help="download the default model into the cache and print its path")
     return parser
@@ -101,6 +106,8 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             log_level=args.log_level,
             cli_model_options=model_options,
             aliases=args.alias,
+            response_store_max_records=args.response_store_max_records,
+            response_store_max_mib=args.response_store_max_mib,
         )
     except ValueError as exc:
         raise CommandLineError(str(exc)) from None

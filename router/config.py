@@ -30,6 +30,10 @@ class ServeConfig:
     cli_model_options: Mapping[str, Any] = field(default_factory=dict)
     # Aliases of a single-model server's model (--alias).
     aliases: tuple[str, ...] = ()
+    # Bounds of the in-process store of Responses API responses
+    # (previous_response_id, GET /v1/responses/{id}); least recently used go first.
+    response_store_max_records: int = 10_000
+    response_store_max_mib: float = 512.0
 
     def __post_init__(self) -> None:
         if self.model is not None and (self.models_dir or self.models_preset):
@@ -40,6 +44,10 @@ class ServeConfig:
             raise ValueError("--models-max must be 0 (no limit) or more")
         if self.pending_timeout_ms < 0:
             raise ValueError("--pending-timeout-ms must be 0 or more")
+        if self.response_store_max_records < 1:
+            raise ValueError("--response-store-max-records must be 1 or more")
+        if not self.response_store_max_mib > 0:
+            raise ValueError("--response-store-max-mib must be more than 0")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
 

@@ -22,6 +22,7 @@ from protocol import (
     EngineDead,
     EngineStats,
     Generate,
+    GrammarVocab,
     LoadProgress,
     Ready,
     RequestError,
@@ -97,6 +98,7 @@ class EngineClient:
         self.on_progress: Callable[[LoadProgress], None] | None = None
         # The Sleep or Wake command waiting for its answer, if any.
         self._transition: asyncio.Future[Slept | Awake] | None = None
+        self._vocab_sent = False
         self._reader = asyncio.create_task(self._read_events(), name=f"engine-events-{name}")
 
     @property
@@ -110,6 +112,13 @@ class EngineClient:
         self._streams[request_id] = stream
         self._send(Generate(request_id, prompt_token_ids, params))
         return stream
+
+    def send_vocab_once(self, vocab: Callable[[], GrammarVocab]) -> None:
+        """Give the engine the tokenizer vocabulary its grammars need, once,
+        before the first request with a grammar (commands keep their order)."""
+        if not self._vocab_sent:
+            self._send(vocab())
+            self._vocab_sent = True
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -145,7 +154,7 @@ class EngineClient:
         if not self.dead.done():
             self._send(Shutdown())
 
-    def _send(self, message: Generate | Abort | Sleep | Wake | Shutdown) -> None:
+    def _send(self, message: Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown) -> None:
         # The engine reads continuously, so the send completes at once; the
         # returned future needs no waiting (and abort() runs in finally blocks
         # of cancelled handlers, where waiting is not an option).

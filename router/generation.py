@@ -1,17 +1,20 @@
-"""One request's generation as the HTTP layer sees it: text pieces and usage.
+"""One request's generation as the HTTP layer sees it: text pieces, prompt
+progress, usage and timings.
 
 Token ids arrive from the engine step by step; this turns them into text with
 the incremental detokenizer, applies stop strings (withholding the matched
-text and aborting the engine request), and keeps the counts that usage and
-finish_reason report. The engine reports a stop *token* as generated (it is
-counted) but its text is never shown.
+text and aborting the engine request), and keeps the counts and clocks that
+usage, timings and finish reasons report. The engine reports a stop *token*
+as generated (it is counted) but its text is never shown.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from protocol import SamplingParams
 from router.engine_client import EngineClient, RequestStream
@@ -32,6 +35,24 @@ class GenerationInput:
     skip_special_tokens: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """What one engine step added: its tokens and the text they complete
+    (empty while a character or a possible stop string is held back)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """Prompt processing so far (SamplingParams.report_progress)."""
+
+    processed: int
+    total: int
+    cached: int
+
+
 class Generation:
     def __init__(self, client: EngineClient, text: ModelText, request_id: str, spec: GenerationInput):
         self.client = client
@@ -41,50 +62,72 @@ class Generation:
         self.prompt_tokens = len(spec.prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
+        # Set when a stop token (end of sequence, stop_token_ids) ended it.
+        self.stop_token: int | None = None
         self._stream: RequestStream | None = None
+        self._started = 0.0
+        self._first_token = 0.0
+        self._ended = 0.0
         params = spec.params
         self._hidden_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(text.eos_token_ids)
         )
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Yield new text as it is produced; finish_reason is set at the end.
-
-        Raises EngineFailure when the engine refuses the request or dies.
-        """
+    async def stream(self) -> AsyncIterator[Piece | PromptProgress]:
+        """Pieces as they are produced (and prompt progress when asked for);
+        finish_reason is set at the end. Raises EngineFailure when the engine
+        refuses the request or dies."""
         spec = self.spec
+        self._started = time.perf_counter()
         self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params)
         detokenizer = IncrementalDetokenizer(
             self.text.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens
         )
         matcher = StopStringMatcher(spec.stop)
         async for output in stream:
-            self.completion_tokens += len(output.token_ids)
             self.cached_tokens = output.num_cached_tokens
             ids = output.token_ids
+            if not ids and output.finish_reason is None:
+                yield PromptProgress(output.num_computed_tokens, self.prompt_tokens, self.cached_tokens)
+                continue
+            if ids and not self._first_token:
+                self._first_token = time.perf_counter()
+            self.completion_tokens += len(ids)
+            self.token_ids.extend(ids)
+            visible = ids
             if output.finish_reason == "stop" and ids and ids[-1] in self._hidden_ids:
-                ids = ids[:-1]
-            new_text = detokenizer.add(ids)
+                self.stop_token = ids[-1]
+                visible = ids[:-1]
+            new_text = detokenizer.add(visible)
             if output.finish_reason is not None:
                 new_text += detokenizer.flush()
             piece, matched = matcher.feed(new_text)
             if matched is not None:
-                self.finish_reason = "stop"
+                self._finish("stop")
                 self.stop_string = matched
                 stream.abort()
-                if piece:
-                    yield piece
+                yield Piece(piece, ids)
                 return
             if output.finish_reason is not None:
-                piece += matcher.flush()
-                self.finish_reason = output.finish_reason
-                if piece:
-                    yield piece
+                self._finish(output.finish_reason)
+                yield Piece(piece + matcher.flush(), ids)
                 return
-            if piece:
-                yield piece
+            yield Piece(piece, ids)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Only the new text, for callers that need nothing else."""
+        async for item in self.stream():
+            if isinstance(item, Piece) and item.text:
+                yield item.text
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self._ended = time.perf_counter()
+        if not self._first_token:
+            self._first_token = self._ended
 
     def close(self) -> None:
         """Abort the engine request unless it already finished (a client that
@@ -97,3 +140,24 @@ class Generation:
             return "".join([piece async for piece in self.pieces()])
         finally:
             self.close()
+
+    def timings(self) -> dict[str, Any]:
+        """llama.cpp's timings object: the prompt phase runs from submission to
+        the first generated token, the generation phase from there to the end."""
+        now = time.perf_counter()
+        first = self._first_token or now
+        prompt_ms = (first - self._started) * 1000 if self._started else 0.0
+        predicted_ms = ((self._ended or now) - first) * 1000
+        prompt_n = self.prompt_tokens - self.cached_tokens
+        predicted_n = self.completion_tokens
+        return {
+            "cache_n": self.cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n * 1000 / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+            "predicted_per_second": predicted_n * 1000 / predicted_ms if predicted_ms else 0.0,
+        }

@@ -201,6 +201,7 @@ BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}
 ROUTER_OPTIONS = frozenset({
     "host", "port", "models-dir", "models-preset", "models-max", "models-autoload",
     "no-models-autoload", "pending-timeout-ms", "log-level",
+    "response-store-max-records", "response-store-max-mib",
 })
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from protocol import PROTOCOL_VERSION, LoadProgress, Ready
 from router.catalog import CatalogEntry
 from router.engine_client import EngineClient
+from router.env import engine_module
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class EngineStartError(RuntimeError):
 def engine_args(entry: CatalogEntry) -> list[str]:
     """The engine's command line, less the per-run socket addresses."""
     return [
-        sys.executable, "-m", "engine",
+        sys.executable, "-m", engine_module(),
         "--model", str(entry.path),
         "--name", entry.id,
         "--options", entry.settings.engine.to_json(),

@@ -1,16 +1,17 @@
 """API errors and the one middleware that turns exceptions into responses.
 
 Handlers raise ApiError; the middleware renders it in the error shape of the
-API family the route belongs to: OpenAI's for /v1/... (and the unversioned
-/chat/completions and /completions), llama.cpp's for its native routes
-(/health, /models, ...). Anything else becomes a logged 500 and the server
-keeps going.
+API family the route belongs to: Anthropic's for /v1/messages..., OpenAI's
+for the rest of /v1/... (and the unversioned /chat/completions), llama.cpp's
+for its native routes (/health, /models, /completion, ...). Anything else
+becomes a logged 500 and the server keeps going.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import uuid
 from typing import Any
 
 import msgspec
@@ -59,16 +60,49 @@ def invalid(message: str, param: str | None, code: str = "invalid_value") -> Api
 
 class ErrorShape(enum.Enum):
     OPENAI = "openai"
+    ANTHROPIC = "anthropic"
     LLAMACPP = "llamacpp"
 
 
-_OPENAI_UNVERSIONED = ("/chat/completions", "/completions", "/embeddings")
+_OPENAI_UNVERSIONED = ("/chat/completions", "/embeddings")
 
 
 def shape_for(path: str) -> ErrorShape:
+    # Clients given the wrong base URL call /v1/v1/...; they get the same API.
+    if path.startswith("/v1/v1/"):
+        path = path[3:]
+    if path.startswith("/v1/messages"):
+        return ErrorShape.ANTHROPIC
     if path.startswith("/v1/") or path in _OPENAI_UNVERSIONED:
         return ErrorShape.OPENAI
     return ErrorShape.LLAMACPP
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_status(status: int) -> int:
+    """Anthropic says "overloaded" with 529 where we say 503."""
+    return 529 if status == 503 else status
+
+
+def anthropic_error_body(error: ApiError, request_id: str) -> dict[str, Any]:
+    status = anthropic_status(error.status)
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}, "request_id": request_id}
+
+
+def new_anthropic_request_id() -> str:
+    return "req_" + uuid.uuid4().hex[:24]
 
 
 def llamacpp_error_body(error: ApiError) -> dict[str, Any]:
@@ -92,6 +126,11 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
 
 
 def error_response(error: ApiError, shape: ErrorShape = ErrorShape.OPENAI) -> web.Response:
+    if shape is ErrorShape.ANTHROPIC:
+        request_id = new_anthropic_request_id()
+        return web.json_response(anthropic_error_body(error, request_id),
+                                 status=anthropic_status(error.status),
+                                 headers={**error.headers, "request-id": request_id})
     body = openai_error_body(error) if shape is ErrorShape.OPENAI else llamacpp_error_body(error)
     return web.json_response(body, status=error.status, headers=error.headers)
 

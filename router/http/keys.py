@@ -8,4 +8,3 @@ from router.lifecycle import ModelManager
 
 MANAGER = web.AppKey("manager", ModelManager)
 STARTED = web.AppKey("started", int)
-DEFAULTS = web.AppKey("sampling_defaults", dict)

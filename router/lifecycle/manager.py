@@ -29,6 +29,7 @@ from router.engine_client import EngineFailure
 from router.http.errors import ApiError
 from router.lifecycle.events import ModelEvents
 from router.lifecycle.slot import ModelSlot, ModelState
+from router.sampling import SamplingDefaults
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
 
@@ -71,6 +72,7 @@ class ModelManager:
         self._change = asyncio.Event()
         self._serial = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._defaults: dict[object, SamplingDefaults] = {}
 
     # ---- names and text --------------------------------------------------------
 
@@ -106,6 +108,14 @@ class ModelManager:
                         raise ApiError(503, f"model '{slot.id}' has no usable tokenizer: {exc}",
                                        code="model_load_failed") from exc
         return slot.text
+
+    def sampling_defaults(self, slot: ModelSlot) -> SamplingDefaults:
+        """The model's defaults for sampling fields a request leaves out;
+        keyed by its catalog entry, so a reload that changes it starts afresh."""
+        entry = slot.entry
+        if entry not in self._defaults:
+            self._defaults[entry] = SamplingDefaults.for_model(entry.path, entry.settings.sampling)
+        return self._defaults[entry]
 
     # ---- requests ----------------------------------------------------------------
 
@@ -173,31 +183,47 @@ class ModelManager:
     # ---- explicit operations -------------------------------------------------------
 
     async def unload(self, slot: ModelSlot, reason: str = "the model was unloaded") -> None:
-        """POST /models/unload: waits for requests in flight, never cancels them."""
+        """POST /models/unload: waits for requests in flight, never cancels
+        them. It unloads once: requests that arrive later load it again."""
         while slot.state is not S.UNLOADED:
             if slot.state in (S.LOADED, S.SLEEPING):
                 self._start(slot, S.UNLOADING, self._unload(slot, reason))
-            if slot.task is not None and not slot.task.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(slot.task)
-            else:
-                await self._wait_change()
+                await self._settle(slot)
+                return
+            await self._settle(slot)
 
     async def sleep(self, slot: ModelSlot) -> None:
-        """POST /models/sleep: 409 while requests are in flight."""
-        while slot.state is not S.SLEEPING:
-            if slot.state in (S.UNLOADED, S.UNLOADING):
+        """POST /models/sleep (and the idle timer): 409 while requests are in
+        flight or waiting for the model. It puts the model to sleep once; a
+        request that wakes it afterwards wins."""
+        while True:
+            state = slot.state
+            if state is S.SLEEPING:
+                return
+            if state is S.SUSPENDING:
+                await self._settle(slot)
+                return
+            if state in (S.UNLOADED, S.UNLOADING):
                 raise ApiError(409, f"model '{slot.id}' is not loaded", code="model_not_loaded")
-            if slot.in_flight:
-                raise ApiError(409, f"model '{slot.id}' has {slot.in_flight} request(s) in flight; "
+            if slot.in_flight or slot.pending:
+                busy = slot.in_flight + slot.pending
+                raise ApiError(409, f"model '{slot.id}' has {busy} request(s) in flight or waiting; "
                                "try again when it is idle", code="model_busy")
-            if slot.state is S.LOADED:
+            if state is S.LOADED:
                 self._start(slot, S.SUSPENDING, self._sleep(slot))
-            if slot.task is not None and not slot.task.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(slot.task)
-            else:
-                await self._wait_change()
+                await self._settle(slot)
+                return
+            await self._settle(slot)  # LOADING or WAKING
+
+    async def _settle(self, slot: ModelSlot) -> None:
+        """Wait for the transition under way (its failure is the caller's
+        next look at the state, not an exception here)."""
+        task = slot.task
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+        else:
+            await self._wait_change()
 
     # ---- room under --models-max -------------------------------------------------
 

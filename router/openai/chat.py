@@ -1,145 +1,152 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions: tools, reasoning and timings included."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
 
-from router.generation import Generation, new_request_id
-from router.http.errors import decode_body, invalid
-from router.http.keys import MANAGER
-from router.openai.common import (
-    autoload,
-    collect,
-    now,
-    start_generation,
-    stream_generation,
-    usage,
-    wants_usage,
+from router.chat.events import (
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallStart,
 )
-from router.openai.params import check_common, check_max_tokens
-from router.openai.schemas import ChatCompletionRequest, ChatMessage
-from router.text.chat_template import TemplateError
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _text_content(message: ChatMessage, index: int) -> str:
-    content = message.content
-    if content is None:
-        if message.role == "assistant":
-            return ""
-        raise invalid(f"messages[{index}] ({message.role}) has no content", f"messages[{index}].content")
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part_index, part in enumerate(content):
-        where = f"messages[{index}].content[{part_index}]"
-        kind = part.get("type")
-        if kind != "text":
-            raise invalid(f"content part type {kind!r} is not supported here; send text parts",
-                          f"{where}.type")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid("a text content part needs a string 'text'", f"{where}.text", "invalid_type")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    if not messages:
-        raise invalid("'messages' must hold at least one message", "messages")
-    rendered = []
-    for index, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise invalid(
-                f"unknown role {message.role!r} in messages[{index}]; expected one of {', '.join(ROLES)}",
-                f"messages[{index}].role",
-            )
-        entry: dict[str, Any] = {
-            # OpenAI's "developer" is the system role of newer models.
-            "role": "system" if message.role == "developer" else message.role,
-            "content": _text_content(message, index),
-        }
-        if message.tool_calls:
-            entry["tool_calls"] = message.tool_calls
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        if message.name is not None:
-            entry["name"] = message.name
-        rendered.append(entry)
-    return rendered
+from router.chat.turn import TurnRun, prepare_turn, start_turn
+from router.engine_client import EngineFailure
+from router.generation import PromptProgress, new_request_id
+from router.http.errors import decode_body, openai_error_body
+from router.http.keys import MANAGER
+from router.http.sse import open_event_stream, send_data, send_done
+from router.openai.chat_request import chat_request
+from router.openai.common import autoload, engine_error, now, wants_usage
+from router.openai.schemas import ChatCompletionRequest
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), ChatCompletionRequest)
-    check_common(req)
-    if req.max_completion_tokens is not None:
-        max_tokens, max_field = req.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, max_field = req.max_tokens, "max_tokens"
-    check_max_tokens(max_tokens, max_field)
-    messages = template_messages(req.messages)
-
+    chat = chat_request(req)
     manager = request.app[MANAGER]
     slot = manager.resolve(req.model)
-    text = await manager.text_for(slot)
-    try:
-        prompt = text.render_chat(
-            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
-        )
-    except TemplateError as exc:
-        raise invalid(f"the model's chat template rejected these messages: {exc}", "messages") from None
-    prompt_ids = await text.encode_prompt_async(prompt)
-
+    prepared = await prepare_turn(manager, slot, chat)
     async with manager.lease(slot, autoload=autoload(request)) as engine:
-        generation = start_generation(
-            request.app, slot, engine, text, req, prompt_ids,
-            new_request_id("chatcmpl"), max_tokens, max_field,
-        )
+        run = start_turn(manager, prepared, engine, new_request_id("chatcmpl"))
         if req.stream:
-            return await _stream(request, generation, slot.id, wants_usage(req))
-        content = await collect(generation)
-    return web.json_response({
-        "id": generation.request_id,
+            return await ChatStream(request, run, slot.id, wants_usage(req)).send()
+        try:
+            await run.run_to_end()
+        except EngineFailure as exc:
+            raise engine_error(exc) from None
+    return web.json_response(completion_body(run, slot.id))
+
+
+def _message(run: TurnRun) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": run.content or None}
+    if run.content == "" and not run.tool_calls:
+        message["content"] = ""
+    if run.reasoning:
+        message["reasoning_content"] = run.reasoning
+    if run.tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for call in run.tool_calls
+        ]
+    return message
+
+
+def completion_body(run: TurnRun, model: str) -> dict[str, Any]:
+    return {
+        "id": run.generation.request_id,
         "object": "chat.completion",
         "created": now(),
-        "model": slot.id,
+        "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": content},
+            "message": _message(run),
             "logprobs": None,
-            "finish_reason": generation.finish_reason,
+            "finish_reason": run.finish_reason,
         }],
-        "usage": usage(generation),
-    })
+        "usage": run.usage(),
+        "timings": run.generation.timings(),
+    }
 
 
-async def _stream(
-    request: web.Request, generation: Generation, model: str, include_usage: bool
-) -> web.StreamResponse:
-    created = now()
+class ChatStream:
+    """Server-sent chunks as OpenAI streams them: a role chunk, deltas of
+    reasoning_content, content and tool_calls (a delta with the call's id and
+    name, then pieces of its arguments), a finish chunk (with llama.cpp's
+    timings), the usage chunk when asked for, then [DONE]."""
 
-    def chunk(piece: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def __init__(self, request: web.Request, run: TurnRun, model: str, include_usage: bool):
+        self.request = request
+        self.run = run
+        self.model = model
+        self.include_usage = include_usage
+        self.created = now()
+        self.started = time.perf_counter()
+
+    def chunk(self, delta: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "id": generation.request_id,
+            "id": self.run.generation.request_id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "delta": {} if piece is None else {"content": piece},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }],
+            "created": self.created,
+            "model": self.model,
+            "choices": [] if delta is None else [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
         }
-        if include_usage:
+        if self.include_usage:
             body["usage"] = None
         return body
 
-    opening = chunk("", None)
-    opening["choices"][0]["delta"]["role"] = "assistant"
-    return await stream_generation(
-        request, generation, chunk, opening=[opening], include_usage=include_usage
-    )
+    def delta(self, event: object) -> dict[str, Any] | None:
+        if isinstance(event, ContentDelta):
+            return {"content": event.text}
+        if isinstance(event, ReasoningDelta):
+            return {"reasoning_content": event.text}
+        if isinstance(event, ToolCallStart):
+            return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        if isinstance(event, ToolCallDelta):
+            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+        return None  # ToolCallEnd: nothing new to send
+
+    def progress(self, progress: PromptProgress) -> dict[str, Any]:
+        body = self.chunk(None)
+        body["prompt_progress"] = {
+            "total": progress.total, "cache": progress.cached, "processed": progress.processed,
+            "time_ms": (time.perf_counter() - self.started) * 1000,
+        }
+        return body
+
+    async def send(self) -> web.StreamResponse:
+        response = await open_event_stream(self.request)
+        run = self.run
+        try:
+            await send_data(response, self.chunk({"role": "assistant", "content": ""}))
+            try:
+                async for event in run.events():
+                    if isinstance(event, PromptProgress):
+                        await send_data(response, self.progress(event))
+                        continue
+                    delta = self.delta(event)
+                    if delta is not None:
+                        await send_data(response, self.chunk(delta))
+            except EngineFailure as exc:
+                await send_data(response, openai_error_body(engine_error(exc)))
+            else:
+                final = self.chunk({}, run.finish_reason)
+                final["timings"] = run.generation.timings()
+                await send_data(response, final)
+                if self.include_usage:
+                    usage = self.chunk(None)
+                    usage["usage"] = run.usage()
+                    await send_data(response, usage)
+            await send_done(response)
+        except ConnectionResetError:
+            pass  # the client left; close() below aborts the engine request
+        finally:
+            run.generation.close()
+        return response

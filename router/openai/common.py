@@ -13,11 +13,10 @@ from aiohttp import web
 from router.engine_client import EngineFailure
 from router.generation import Generation, GenerationInput
 from router.http.errors import ApiError, invalid, openai_error_body
-from router.http.keys import DEFAULTS, MANAGER
+from router.http.keys import MANAGER
 from router.http.sse import open_event_stream, send_data, send_done
 from router.lifecycle import ModelSlot
 from router.openai.params import (
-    SamplingDefaults,
     build_sampling,
     check_max_tokens,
     stop_strings,
@@ -25,15 +24,6 @@ from router.openai.params import (
 from router.openai.schemas import SamplingFields
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
-
-
-def sampling_defaults(app: web.Application, slot: ModelSlot) -> SamplingDefaults:
-    cache: dict[object, SamplingDefaults] = app[DEFAULTS]
-    # Keyed by the entry, so a catalog reload that changes it starts afresh.
-    entry = slot.entry
-    if entry not in cache:
-        cache[entry] = SamplingDefaults.for_model(entry.path, entry.settings.sampling)
-    return cache[entry]
 
 
 def autoload(request: web.Request) -> bool:
@@ -75,7 +65,7 @@ def start_generation(
         # Omitted: the rest of the context. Larger than that: generation ends
         # with finish_reason "length" when the context is full.
         max_tokens=min(max_tokens or room, room),
-        defaults=sampling_defaults(app, slot),
+        defaults=app[MANAGER].sampling_defaults(slot),
         eos_token_ids=text.eos_token_ids,
     )
     spec = GenerationInput(prompt_ids, params, stop_strings(req.stop), req.skip_special_tokens)
@@ -142,7 +132,9 @@ async def stream_generation(
         except EngineFailure as exc:
             await send_data(response, openai_error_body(engine_error(exc)))
         else:
-            await send_data(response, make_chunk(None, generation.finish_reason))
+            final = make_chunk(None, generation.finish_reason)
+            final["timings"] = generation.timings()
+            await send_data(response, final)
             if include_usage:
                 final = make_chunk(None, None)
                 final["choices"] = []

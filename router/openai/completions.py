@@ -95,6 +95,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "finish_reason": generation.finish_reason,
         }],
         "usage": usage(generation),
+        "timings": generation.timings(),
     })
 
 

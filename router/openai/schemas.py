@@ -21,6 +21,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # Earlier thinking, handed back to templates that render it (Qwen3 does).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -50,8 +53,21 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted at their neutral values only (router/openai/chat_request.py).
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    # llama.cpp's extensions.
+    enable_thinking: bool | None = None
+    return_progress: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

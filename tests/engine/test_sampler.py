@@ -68,3 +68,17 @@ def test_penalties_push_generated_tokens_down() -> None:
     assert sampler.sample(logits.clone(), [seq(outputs=(0, 1), temperature=0.0, presence_penalty=0.5)]) == [2]
     # Repetition penalty counts prompt tokens too (token 1 is the prompt here).
     assert sampler.sample(logits.clone(), [seq(tokens=(0, 1), temperature=0.0, repetition_penalty=1.5)]) == [2]
+
+
+def test_a_penalty_window_looks_only_at_the_last_tokens() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[1.0, 0.95, 0.9]])
+    # Token 0 is outside a window of one token, so only token 1 is penalized.
+    recent = seq(tokens=(0, 1), temperature=0.0, repetition_penalty=2.0, penalty_last_n=1)
+    assert sampler.sample(logits.clone(), [recent]) == [0]
+    everything = seq(tokens=(0, 1), temperature=0.0, repetition_penalty=2.0)
+    assert sampler.sample(logits.clone(), [everything]) == [2]
+    # With a window, presence counts the context's last tokens (llama.cpp), not just output.
+    windowed = seq(tokens=(0,), temperature=0.0, presence_penalty=0.5, penalty_last_n=4)
+    assert sampler.sample(logits.clone(), [windowed]) == [1]
+    assert sampler.sample(logits.clone(), [seq(tokens=(0,), temperature=0.0, presence_penalty=0.5)]) == [0]

@@ -59,14 +59,14 @@ def wait_until(predicate, timeout: float, what: str, server: Server | None = Non
 
 @contextmanager
 def running_server(args: list[str], log_path: Path, *, ready_path: str = "/health",
-                   timeout: float = 180.0) -> Iterator[Server]:
+                   timeout: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Server]:
     port = free_port()
     log_file = open(log_path, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "router", "serve", "--port", str(port), *args],
         stdout=log_file,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     server = Server(process, port, log_path)
 

@@ -1,0 +1,62 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens.
+
+Errors raised here are ApiErrors; the error middleware renders them in
+Anthropic's envelope (with a request-id header, 503 as 529 overloaded_error)
+because the paths start with /v1/messages. Successful answers carry a
+request-id header too, as Anthropic's do.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.anthropic.blocks import ContentBlocks
+from router.anthropic.reply import message, new_message_id, stop_reason
+from router.anthropic.request import chat_request, messages_request
+from router.anthropic.schemas import CountTokensRequest, MessagesRequest
+from router.anthropic.stream import MessageStream
+from router.chat.turn import prepare_turn, start_turn
+from router.engine_client import EngineFailure
+from router.generation import PromptProgress
+from router.http.errors import decode_body, new_anthropic_request_id
+from router.http.keys import MANAGER
+from router.openai.common import autoload, engine_error
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    req = decode_body(await request.read(), MessagesRequest)
+    chat, thinking = messages_request(req)
+    manager = request.app[MANAGER]
+    slot = manager.resolve(req.model)
+    prepared = await prepare_turn(manager, slot, chat)
+    message_id = new_message_id()
+    request_id = new_anthropic_request_id()
+    blocks = ContentBlocks(show_thinking=thinking.show, one_tool_use=not chat.parallel_tool_calls)
+    async with manager.lease(slot, autoload=autoload(request)) as engine:
+        run = start_turn(manager, prepared, engine, message_id)
+        if req.stream:
+            stream = MessageStream(request, run, blocks, message_id=message_id, model=slot.id,
+                                   request_id=request_id)
+            return await stream.send()
+        try:
+            async for event in run.events():
+                if not isinstance(event, PromptProgress):
+                    blocks.feed(event)
+        except EngineFailure as exc:
+            raise engine_error(exc) from None
+        finally:
+            run.generation.close()
+    blocks.finish()
+    body = message(message_id, slot.id, blocks.blocks, run, stop=stop_reason(run, blocks.has_tool_use))
+    return web.json_response(body, headers={"request-id": request_id})
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's size as /v1/messages would render it, from the model's
+    tokenizer and template alone: the model is neither loaded nor woken."""
+    req = decode_body(await request.read(), CountTokensRequest)
+    manager = request.app[MANAGER]
+    slot = manager.resolve(req.model)
+    prepared = await prepare_turn(manager, slot, chat_request(req))
+    return web.json_response({"input_tokens": len(prepared.prompt_ids)},
+                             headers={"request-id": new_anthropic_request_id()})

@@ -1,0 +1,46 @@
+"""An assistant turn as every chat-shaped API asks for it, in one shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import GrammarSpec
+from router.sampling import SamplingRequest
+
+
+@dataclass(frozen=True)
+class NamedTool:
+    """tool_choice naming one function: the turn must call it."""
+
+    name: str
+
+
+ToolChoice = str | NamedTool  # "auto", "none", "required" or a NamedTool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    # Messages ready for the chat template: role, content (a string), and
+    # tool_calls / tool_call_id / reasoning_content where they apply.
+    messages: list[dict[str, Any]]
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    # OpenAI function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    # None: whatever the template does by default.
+    enable_thinking: bool | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Text the assistant turn already starts with (an Anthropic prefill); the
+    # model continues it and it is not sent back.
+    prefill: str = ""
+    # Constrains the answer (JSON schema or any JSON object).
+    response_format: GrammarSpec | None = None
+    # Ids of generated tool calls start with this ("call_" for OpenAI,
+    # "toolu_" for Anthropic).
+    tool_id_prefix: str = "call_"
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {tool["function"]["name"] for tool in self.tools}

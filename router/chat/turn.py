@@ -1,0 +1,227 @@
+"""One assistant turn: render the prompt, run the generation, split its output.
+
+    prepared = await prepare_turn(manager, slot, request)   # template + tokens, no engine
+    async with manager.lease(slot, autoload=...) as engine:
+        run = start_turn(manager, prepared, engine, request_id)
+        async for event in run.events(): ...                # ParsedEvent | PromptProgress
+    run.finish_reason, run.usage(), run.generation.timings()
+
+The template sees the tools unless tool_choice is "none". "required" and a
+named tool are enforced with a grammar (router/chat/tool_grammar.py), as is a
+JSON response format; the model may think first when thinking is on. The
+output goes through the reasoning parser (when the template thinks) and the
+tool-call parser (when tools are offered): reasoning is never parsed for
+tool calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import GrammarSpec
+from router.chat.events import (
+    ContentDelta,
+    ParsedEvent,
+    ReasoningDelta,
+    ToolCallEnd,
+)
+from router.chat.request import ChatRequest, NamedTool
+from router.chat.tool_grammar import answer_grammar, forced_tool_grammar
+from router.generation import Generation, GenerationInput, Piece, PromptProgress
+from router.http.errors import ApiError, invalid
+from router.lifecycle import ModelManager, ModelSlot
+from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format
+from router.sampling import build_params
+from router.supervisor import EngineProcess
+from router.text.chat_template import TemplateError
+from router.text.model_text import ModelText
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    slot: ModelSlot
+    text: ModelText
+    request: ChatRequest
+    prompt: str
+    prompt_ids: list[int]
+    # "hermes", "qwen3_coder", or None when no tools are offered.
+    tool_format: str | None
+    # "off" (no thinking), "open" (the output starts with <think>) or
+    # "inside" (the prompt already opened <think>).
+    thinking: str
+
+
+async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequest) -> PreparedTurn:
+    """Render and tokenize; needs the model's text side only, not its engine."""
+    text = await manager.text_for(slot)
+    offered = request.tools if request.tools and request.tool_choice != "none" else None
+    kwargs = dict(request.template_kwargs)
+    if request.enable_thinking is not None:
+        kwargs["enable_thinking"] = request.enable_thinking
+    messages = list(request.messages)
+    if request.prefill:
+        messages.append({"role": "assistant", "content": request.prefill})
+    try:
+        prompt = text.render_chat(
+            messages, add_generation_prompt=not request.prefill, tools=offered,
+            continue_final_message=bool(request.prefill), **kwargs,
+        )
+    except TemplateError as exc:
+        raise invalid(f"the model's chat template rejected these messages: {exc}", "messages") from None
+    source = text.template.source
+    has_thinking, starts_inside = detect_reasoning(source, prompt)
+    if not has_thinking or prompt.rstrip().endswith("</think>"):
+        thinking = "off"
+    else:
+        thinking = "inside" if starts_inside else "open"
+    tool_format = (detect_tool_format(source) or "hermes") if offered else None
+    return PreparedTurn(slot, text, request, prompt, await text.encode_prompt_async(prompt),
+                        tool_format, thinking)
+
+
+def _grammar(prepared: PreparedTurn) -> GrammarSpec | None:
+    request = prepared.request
+    choice = request.tool_choice
+    if prepared.tool_format is not None and (choice == "required" or isinstance(choice, NamedTool)):
+        only = choice.name if isinstance(choice, NamedTool) else None
+        return forced_tool_grammar(prepared.tool_format, request.tools, only=only,
+                                   parallel=request.parallel_tool_calls, thinking=prepared.thinking)
+    if request.response_format is not None:
+        return answer_grammar(request.response_format, prepared.thinking)
+    return None
+
+
+def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProcess,
+               request_id: str) -> TurnRun:
+    """Check the prompt against the loaded model and submit it."""
+    slot = prepared.slot
+    max_context = slot.max_context
+    prompt_ids = prepared.prompt_ids
+    if len(prompt_ids) >= max_context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
+            "Please reduce the length of the input.",
+            code="context_length_exceeded", param="messages",
+        )
+    sampling = prepared.request.sampling
+    room = max_context - len(prompt_ids)
+    grammar = _grammar(prepared)
+    if grammar is not None:
+        from router.text.grammar_vocab import grammar_vocab
+
+        engine.client.send_vocab_once(lambda: grammar_vocab(prepared.text))
+    params = build_params(
+        sampling,
+        # Omitted: the rest of the context. Larger: "length" when it is full.
+        max_tokens=min(sampling.max_tokens or room, room),
+        defaults=manager.sampling_defaults(slot),
+        eos_token_ids=prepared.text.eos_token_ids,
+        grammar=grammar,
+    )
+    spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens)
+    return TurnRun(prepared, Generation(engine.client, prepared.text, request_id, spec))
+
+
+class TurnRun:
+    def __init__(self, prepared: PreparedTurn, generation: Generation):
+        self.prepared = prepared
+        self.generation = generation
+        self.tool_calls: list[ToolCallEnd] = []
+        self.reasoning_text: list[str] = []
+        self.content_text: list[str] = []
+        request = prepared.request
+        self._reasoning = (
+            ReasoningParser(start_in_reasoning=prepared.thinking == "inside")
+            if prepared.thinking != "off" else None
+        )
+        self._tools = (
+            ToolCallParser(prepared.tool_format, request.tools, id_prefix=request.tool_id_prefix)
+            if prepared.tool_format else None
+        )
+
+    async def events(self) -> AsyncIterator[ParsedEvent | PromptProgress]:
+        """The turn's output as typed events; raises EngineFailure if the
+        engine refuses or dies. finish_reason and usage are set at the end."""
+        async for item in self.generation.stream():
+            if isinstance(item, PromptProgress):
+                yield item
+                continue
+            for event in self._split(item):
+                yield event
+        for event in self._flush():
+            yield event
+
+    def _split(self, piece: Piece) -> list[ParsedEvent]:
+        if self._reasoning is None:
+            return self._answer([ContentDelta(piece.text)] if piece.text else [])
+        # The parser attributes the step's tokens to reasoning or answer.
+        return self._answer(self._reasoning.feed(piece.text, len(piece.token_ids)))
+
+    def _flush(self) -> list[ParsedEvent]:
+        events = self._reasoning.flush() if self._reasoning is not None else []
+        out = self._answer(events)
+        if self._tools is not None:
+            out.extend(self._record(self._tools.flush()))
+        return out
+
+    def _answer(self, events: list[Any]) -> list[ParsedEvent]:
+        """Route content through the tool-call parser; keep reasoning as is."""
+        out: list[ParsedEvent] = []
+        for event in events:
+            if isinstance(event, ContentDelta) and self._tools is not None:
+                out.extend(self._record(self._tools.feed(event.text)))
+            else:
+                out.extend(self._record([event]))
+        return out
+
+    def _record(self, events: list[ParsedEvent]) -> list[ParsedEvent]:
+        for event in events:
+            if isinstance(event, ToolCallEnd):
+                self.tool_calls.append(event)
+            elif isinstance(event, ReasoningDelta):
+                self.reasoning_text.append(event.text)
+            elif isinstance(event, ContentDelta):
+                self.content_text.append(event.text)
+        return events
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.generation.finish_reason
+        if self.tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._reasoning.reasoning_tokens if self._reasoning is not None else 0
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_text)
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_text)
+
+    def usage(self) -> dict[str, Any]:
+        """Counts in OpenAI Chat Completions' shape; other APIs rename them."""
+        g = self.generation
+        return {
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": g.completion_tokens,
+            "total_tokens": g.prompt_tokens + g.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
+
+    async def run_to_end(self) -> None:
+        """Consume the whole turn (non-streamed responses)."""
+        try:
+            async for _ in self.events():
+                pass
+        finally:
+            self.generation.close()

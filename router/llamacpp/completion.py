@@ -1,0 +1,130 @@
+"""POST /completion (and /completions): llama.cpp's native text completion.
+
+The prompt is tokenized before the model is leased (the text side needs no
+engine), the request is checked against the loaded model's context, and the
+answer is one JSON object or, with `stream`, server-sent events with no
+`[DONE]`: a chunk per token, prompt progress chunks first with
+`return_progress`, and a last chunk with `stop: true` and the statistics.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from protocol import GrammarSpec
+from router.engine_client import EngineFailure
+from router.generation import Generation, GenerationInput, PromptProgress, new_request_id
+from router.http.errors import ApiError, decode_body, invalid, llamacpp_error_body
+from router.http.keys import MANAGER
+from router.http.sse import open_event_stream, send_data
+from router.lifecycle import ModelManager, ModelSlot
+from router.llamacpp.grammar import grammar_spec, prepare_engine
+from router.llamacpp.params import CompletionSettings, completion_settings, generation_settings
+from router.llamacpp.prompt import prompt_ids, prompt_parts
+from router.llamacpp.responses import CompletionReport
+from router.llamacpp.schemas import CompletionRequest
+from router.openai.common import autoload, engine_error
+from router.sampling import build_params
+from router.supervisor import EngineProcess
+from router.text.model_text import ModelText
+
+
+def _check_prompt(ids: list[int], slot: ModelSlot) -> int:
+    """The room left for output; llama.cpp's error when there is none."""
+    assert slot.ready is not None
+    n_vocab = slot.ready.model.n_vocab
+    bad = next((t for t in ids if t >= n_vocab), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} in 'prompt' is outside the vocabulary (0..{n_vocab - 1})",
+                      "prompt")
+    n_ctx = slot.max_context
+    if len(ids) >= n_ctx:
+        raise ApiError(400, f"the request exceeds the available context size: {len(ids)} prompt "
+                       f"tokens, the context holds {n_ctx} (prompt and output together)",
+                       type="exceed_context_size_error", code="context_length_exceeded",
+                       param="prompt")
+    return n_ctx - len(ids)
+
+
+def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: ModelText,
+           ids: list[int], settings: CompletionSettings,
+           grammar: GrammarSpec | None) -> Generation:
+    room = _check_prompt(ids, slot)
+    n_predict = settings.n_predict
+    # n_predict 0 evaluates the prompt into the cache: the engine computes one
+    # token (it needs at least one), which is never shown.
+    max_tokens = room if n_predict < 0 else min(max(n_predict, 1), room)
+    if grammar is not None:
+        prepare_engine(engine, text)
+    params = build_params(settings.sampling, max_tokens=max_tokens,
+                          defaults=manager.sampling_defaults(slot),
+                          eos_token_ids=text.eos_token_ids, grammar=grammar)
+    spec = GenerationInput(ids, params, settings.sampling.stop)
+    return Generation(engine.client, text, new_request_id("cmpl"), spec)
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    req = decode_body(await request.read(), CompletionRequest)
+    settings = completion_settings(req)
+    grammar = grammar_spec(req)
+    parts = prompt_parts(req.prompt)
+
+    manager = request.app[MANAGER]
+    slot = manager.resolve(req.model)
+    text = await manager.text_for(slot)
+    ids = await prompt_ids(parts, text)
+
+    async with manager.lease(slot, autoload=autoload(request)) as engine:
+        generation = _start(manager, slot, engine, text, ids, settings, grammar)
+        report = CompletionReport(
+            generation=generation,
+            model=slot.id,
+            # One shared prefix cache instead of slots: any slot asked for is "the" slot.
+            id_slot=max(req.id_slot, 0),
+            settings=generation_settings(req, settings, generation.spec.params),
+            prompt=text.tokenizer.decode(ids, skip_special_tokens=False),
+            stream=req.stream,
+            return_tokens=req.return_tokens,
+            timings_per_token=req.timings_per_token,
+            response_fields=req.response_fields or (),
+            prompt_only=settings.n_predict == 0,
+        )
+        if req.stream:
+            return await _stream(request, report)
+        try:
+            content = await generation.collect()
+        except EngineFailure as exc:
+            raise engine_error(exc) from None
+    if report.prompt_only:
+        content = ""
+    return web.json_response(report.final(content, "\n" in content))
+
+
+async def _stream(request: web.Request, report: CompletionReport) -> web.StreamResponse:
+    """Token chunks (after progress chunks when asked for) and the last chunk
+    with the statistics. An engine failure mid-stream becomes an error event;
+    a client that leaves aborts the engine request."""
+    generation = report.generation
+    response = await open_event_stream(request)
+    started = time.perf_counter()
+    has_new_line = False
+    try:
+        try:
+            async for item in generation.stream():
+                if isinstance(item, PromptProgress):
+                    elapsed_ms = int((time.perf_counter() - started) * 1000)
+                    await send_data(response, report.progress(item, elapsed_ms))
+                elif not report.prompt_only and (item.token_ids or item.text):
+                    has_new_line = has_new_line or "\n" in item.text
+                    await send_data(response, report.partial(item))
+        except EngineFailure as exc:
+            await send_data(response, llamacpp_error_body(engine_error(exc)))
+        else:
+            await send_data(response, report.final("", has_new_line))
+    except ConnectionResetError:
+        pass  # the client left; close() below aborts the engine request
+    finally:
+        generation.close()
+    return response

@@ -1,0 +1,244 @@
+"""A /completion request's sampling fields: checked, turned into the shared
+SamplingRequest (router/sampling.py), and reported back as llama.cpp's
+`generation_settings`.
+
+Sampler controls the engine lacks (mirostat, DRY, XTC, typical-p, ...) are
+accepted at their neutral values, which llama.cpp's own defaults are, and
+refused otherwise with 400 `<field>_not_supported`: silently sampling
+differently from what a client asked for would be worse than saying so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import SamplingParams
+from router.http.errors import ApiError, invalid
+from router.llamacpp.schemas import CompletionRequest
+from router.sampling import SamplingRequest
+
+# llama.cpp reports "no seed" as LLAMA_DEFAULT_SEED, -1 as an unsigned 32-bit value.
+DEFAULT_SEED = 0xFFFFFFFF
+
+# llama.cpp's sampler chain, in its default order, by canonical name.
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                    "temperature")
+# adaptive_p does nothing unless adaptive_target is set, which is refused.
+_SAMPLER_NAMES = {name: name for name in (*DEFAULT_SAMPLERS, "adaptive_p")} | {
+    "typical_p": "typ_p", "typical": "typ_p", "nucleus": "top_p", "temp": "temperature"}
+# The one-letter form (--sampler-seq, and what llama.cpp's WebUI sends).
+_SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p",
+                  "p": "top_p", "m": "min_p", "x": "xtc", "t": "temperature"}
+# The samplers the engine implements; the others are neutral in any request
+# that gets this far, so where they stand in the chain changes nothing.
+_ENGINE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
+
+
+def _no_bias(value: list[Any] | dict[str, Any] | None) -> bool:
+    """logit_bias as [[token, bias], ...] or {token: bias}; false means -inf."""
+    if not value:
+        return True
+    biases = value.values() if isinstance(value, dict) else [
+        entry[1] for entry in value if isinstance(entry, list) and len(entry) == 2]
+    return all(b == 0 and b is not False for b in biases)
+
+
+# (field, is the request neutral in it, the neutral value to name in the error).
+# Some fields only matter when another one turns their sampler on.
+_NEUTRAL: tuple[tuple[str, Callable[[CompletionRequest], bool], str], ...] = (
+    ("dynatemp_range", lambda r: r.dynatemp_range <= 0, "0"),
+    ("dynatemp_exponent", lambda r: r.dynatemp_range <= 0 or r.dynatemp_exponent == 1, "1"),
+    ("top_n_sigma", lambda r: r.top_n_sigma <= 0, "-1"),
+    ("xtc_probability", lambda r: r.xtc_probability <= 0, "0"),
+    ("xtc_threshold", lambda r: r.xtc_probability <= 0 or r.xtc_threshold > 0.5, "0.1"),
+    ("typical_p", lambda r: r.typical_p >= 1, "1"),
+    ("mirostat", lambda r: r.mirostat == 0, "0"),
+    ("mirostat_tau", lambda r: r.mirostat == 0, "5"),
+    ("mirostat_eta", lambda r: r.mirostat == 0, "0.1"),
+    ("dry_multiplier", lambda r: r.dry_multiplier <= 0, "0"),
+    ("dry_base", lambda r: r.dry_multiplier <= 0, "1.75"),
+    ("dry_allowed_length", lambda r: r.dry_multiplier <= 0, "2"),
+    ("dry_penalty_last_n", lambda r: r.dry_multiplier <= 0, "-1"),
+    ("dry_sequence_breakers", lambda r: r.dry_multiplier <= 0, "the default"),
+    ("adaptive_target", lambda r: r.adaptive_target < 0, "-1"),
+    ("n_probs", lambda r: r.n_probs <= 0, "0"),
+    ("min_keep", lambda r: r.min_keep <= 1, "0"),
+    ("logit_bias", lambda r: _no_bias(r.logit_bias), "[]"),
+    ("n_indent", lambda r: r.n_indent <= 0, "0"),
+    ("t_max_predict_ms", lambda r: r.t_max_predict_ms <= 0, "0"),
+    ("lora", lambda r: all(isinstance(a, dict) and a.get("scale", 0) == 0 for a in r.lora or ()), "[]"),
+    ("n_cmpl", lambda r: r.n_cmpl in (None, 1), "1"),
+    ("n", lambda r: r.n in (None, 1), "1"),
+    ("grammar_lazy", lambda r: not r.grammar_lazy, "false"),
+)
+
+
+# llama.cpp's default penalty window.
+DEFAULT_REPEAT_LAST_N = 64
+# A window wider than any context: llama.cpp's -1, "the whole context".
+WHOLE_CONTEXT = 1 << 30
+
+
+def penalty_window(repeat_last_n: int | None) -> int:
+    """SamplingParams.penalty_last_n for llama.cpp's repeat_last_n (0 turns the
+    penalties off before this is asked)."""
+    if repeat_last_n is None:
+        return DEFAULT_REPEAT_LAST_N
+    return WHOLE_CONTEXT if repeat_last_n == -1 else max(repeat_last_n, 1)
+
+
+def not_supported(field: str, message: str) -> ApiError:
+    return ApiError(400, message, type="not_supported_error", code=f"{field}_not_supported",
+                    param=field)
+
+
+def check_neutral(req: CompletionRequest) -> None:
+    for field, neutral, value in _NEUTRAL:
+        if not neutral(req):
+            raise not_supported(field, f"'{field}' is not supported by this server; only its "
+                                f"neutral value ({value}) is accepted")
+
+
+def sampler_chain(samplers: list[str] | str | None) -> tuple[str, ...]:
+    """The chain a request names, as canonical names (llama.cpp's default if none)."""
+    if samplers is None:
+        return DEFAULT_SAMPLERS
+    if isinstance(samplers, str):
+        unknown = [c for c in samplers if c not in _SAMPLER_CHARS]
+        if unknown:
+            raise invalid(f"unknown sampler letter {unknown[0]!r} in 'samplers'", "samplers")
+        chain = tuple(_SAMPLER_CHARS[c] for c in samplers)
+    else:
+        unknown = [name for name in samplers if name not in _SAMPLER_NAMES]
+        if unknown:
+            raise invalid(f"unknown sampler {unknown[0]!r} in 'samplers'; known: "
+                          f"{', '.join(DEFAULT_SAMPLERS)}", "samplers")
+        chain = tuple(_SAMPLER_NAMES[name] for name in samplers)
+    ours = [name for name in chain if name in _ENGINE_SAMPLERS]
+    if ours != sorted(set(ours), key=_ENGINE_SAMPLERS.index):
+        raise not_supported("samplers", "'samplers' may leave samplers out but not reorder or "
+                            f"repeat them: {', '.join(_ENGINE_SAMPLERS)} run in this order")
+    return chain
+
+
+@dataclass(frozen=True)
+class CompletionSettings:
+    """A checked /completion request: what the engine gets and what the
+    response reports."""
+
+    sampling: SamplingRequest
+    chain: tuple[str, ...]
+    # -1: until the context ends; 0: evaluate the prompt only.
+    n_predict: int
+
+
+def _finite(value: float | None, name: str) -> None:
+    if value is not None and not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number, got {value}", name)
+
+
+def completion_settings(req: CompletionRequest) -> CompletionSettings:
+    check_neutral(req)
+    chain = sampler_chain(req.samplers)
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        _finite(getattr(req, name), name)
+    if req.top_p is not None and req.top_p <= 0:
+        raise invalid(f"'top_p' must be greater than 0, got {req.top_p}", "top_p")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise invalid(f"'min_p' must be in [0, 1], got {req.min_p}", "min_p")
+    if req.repeat_penalty is not None and req.repeat_penalty <= 0:
+        raise invalid(f"'repeat_penalty' must be greater than 0, got {req.repeat_penalty}",
+                      "repeat_penalty")
+    if req.seed is not None and req.seed < -1:
+        raise invalid(f"'seed' must be -1 (random) or a non-negative number, got {req.seed}", "seed")
+    n_predict = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
+                      if v is not None), -1)
+    # llama.cpp takes a list; one string is read as a list of one.
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    penalties = "penalties" in chain and req.repeat_last_n != 0
+    if req.repeat_last_n is not None and req.repeat_last_n < -1:
+        raise invalid(f"'repeat_last_n' must be -1 (the whole context), 0 (off) or a count, "
+                      f"got {req.repeat_last_n}", "repeat_last_n")
+    temperature = req.temperature
+    if temperature is not None and temperature < 0:
+        temperature = 0.0  # llama.cpp: a negative temperature samples greedily
+    # llama.cpp reads top_p >= 1 as "off"; the engine wants at most 1.
+    top_p = min(req.top_p, 1.0) if req.top_p is not None else None
+    sampling = SamplingRequest(
+        # A sampler left out of the chain does not run: the same as its "off"
+        # value (without a temperature sampler llama.cpp draws at 1.0).
+        temperature=temperature if "temperature" in chain else 1.0,
+        top_k=req.top_k if "top_k" in chain else 0,
+        top_p=top_p if "top_p" in chain else 1.0,
+        min_p=req.min_p if "min_p" in chain else 0.0,
+        repetition_penalty=(req.repeat_penalty or 1.0) if penalties else 1.0,
+        presence_penalty=(req.presence_penalty or 0.0) if penalties else 0.0,
+        frequency_penalty=(req.frequency_penalty or 0.0) if penalties else 0.0,
+        penalty_last_n=penalty_window(req.repeat_last_n),
+        seed=None if req.seed in (None, -1, DEFAULT_SEED) else req.seed,
+        stop=tuple(s for s in stop if s),
+        ignore_eos=req.ignore_eos,
+        report_progress=req.return_progress and req.stream,
+    )
+    return CompletionSettings(sampling, chain, n_predict if n_predict >= 0 else -1)
+
+
+def generation_settings(r: CompletionRequest, settings: CompletionSettings,
+                        params: SamplingParams) -> dict[str, Any]:
+    """llama.cpp's `generation_settings` (and /props' default params): the
+    values in effect, with the neutral values of what the engine lacks."""
+    n_predict = settings.n_predict
+    return {
+        "seed": params.seed if params.seed is not None else DEFAULT_SEED,
+        "temperature": params.temperature,
+        "dynatemp_range": r.dynatemp_range,
+        "dynatemp_exponent": r.dynatemp_exponent,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "top_n_sigma": r.top_n_sigma,
+        "xtc_probability": r.xtc_probability,
+        "xtc_threshold": r.xtc_threshold,
+        "typical_p": r.typical_p,
+        "repeat_last_n": r.repeat_last_n if r.repeat_last_n is not None else DEFAULT_REPEAT_LAST_N,
+        "repeat_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "dry_multiplier": r.dry_multiplier,
+        "dry_base": r.dry_base,
+        "dry_allowed_length": r.dry_allowed_length,
+        "dry_penalty_last_n": r.dry_penalty_last_n,
+        "dry_sequence_breakers": r.dry_sequence_breakers or ["\n", ":", "\"", "*"],
+        "mirostat": r.mirostat,
+        "mirostat_tau": r.mirostat_tau,
+        "mirostat_eta": r.mirostat_eta,
+        "stop": list(settings.sampling.stop),
+        "max_tokens": n_predict,
+        "n_predict": n_predict,
+        "n_keep": r.n_keep,
+        "n_discard": r.n_discard,
+        "ignore_eos": r.ignore_eos,
+        "stream": r.stream,
+        "logit_bias": [],
+        "n_probs": r.n_probs,
+        "min_keep": r.min_keep,
+        "grammar": r.grammar or "",
+        "grammar_lazy": False,
+        "grammar_triggers": [],
+        "preserved_tokens": [],
+        "chat_format": "Content-only",
+        "reasoning_format": "none",
+        "reasoning_in_content": False,
+        "thinking_forced_open": False,
+        "samplers": list(settings.chain),
+        "speculative.n_max": 16,
+        "speculative.n_min": 0,
+        "speculative.p_min": 0.75,
+        "timings_per_token": r.timings_per_token,
+        "post_sampling_probs": r.post_sampling_probs,
+        "lora": [],
+    }

@@ -1,0 +1,114 @@
+"""The bodies /completion answers with, field for field as llama.cpp's server
+writes them (server_task_result_cmpl_partial/final::to_json_non_oaicompat):
+
+- the answer, or a stream's last chunk: `stop: true`, the counts,
+  `generation_settings`, `prompt`, `stop_type`, `stopping_word`, `timings`;
+  `response_fields` keeps only the fields it names;
+- a streamed token: `content`, `tokens`, `stop: false`, the counts, and
+  `timings` with `timings_per_token`;
+- a prompt progress chunk (`return_progress`): no text, `prompt_progress`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.generation import Generation, Piece, PromptProgress
+
+
+def select_fields(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama.cpp's response_fields: each path ("generation_settings/n_predict")
+    that exists becomes a top-level field named by the whole path; missing
+    ones are left out without an error."""
+    selected: dict[str, Any] = {}
+    for path in paths:
+        value: Any = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            selected[path] = value
+    return selected
+
+
+def stop_type(generation: Generation) -> str:
+    """eos, word, limit or none (llama.cpp's stop_type)."""
+    if generation.finish_reason == "length":
+        return "limit"
+    if generation.finish_reason == "stop":
+        return "word" if generation.stop_string is not None else "eos"
+    return "none"
+
+
+@dataclass
+class CompletionReport:
+    """What every chunk of one /completion answer repeats, and how to write them."""
+
+    generation: Generation
+    model: str
+    id_slot: int
+    settings: dict[str, Any]
+    prompt: str
+    stream: bool
+    return_tokens: bool
+    timings_per_token: bool
+    response_fields: Sequence[str]
+    # n_predict 0: the prompt was evaluated; the one token computed is not shown.
+    prompt_only: bool = False
+
+    def _counts(self) -> dict[str, Any]:
+        return {
+            "id_slot": self.id_slot,
+            "tokens_predicted": 0 if self.prompt_only else self.generation.completion_tokens,
+            "tokens_evaluated": self.generation.prompt_tokens,
+        }
+
+    def _timings(self) -> dict[str, Any]:
+        timings = self.generation.timings()
+        if self.prompt_only:
+            timings.update(predicted_n=0, predicted_ms=0.0, predicted_per_token_ms=0.0,
+                           predicted_per_second=0.0)
+        return timings
+
+    def partial(self, piece: Piece) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": 0, "content": piece.text, "tokens": piece.token_ids,
+                                "stop": False, **self._counts()}
+        if self.timings_per_token:
+            body["timings"] = self._timings()
+        return body
+
+    def progress(self, progress: PromptProgress, elapsed_ms: int) -> dict[str, Any]:
+        return {
+            "index": 0, "content": "", "tokens": [], "stop": False, **self._counts(),
+            "prompt_progress": {"total": progress.total, "cache": progress.cached,
+                                "processed": progress.processed, "time_ms": elapsed_ms},
+        }
+
+    def final(self, content: str, has_new_line: bool) -> dict[str, Any]:
+        """The whole answer, or (streamed) the last chunk, whose text and
+        tokens went out already."""
+        generation = self.generation
+        tokens = generation.token_ids if self.return_tokens and not self.prompt_only else []
+        body: dict[str, Any] = {
+            "index": 0,
+            "content": "" if self.stream else content,
+            "tokens": [] if self.stream else tokens,
+            "id_slot": self.id_slot,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": self._counts()["tokens_predicted"],
+            "tokens_evaluated": generation.prompt_tokens,
+            "generation_settings": self.settings,
+            "prompt": self.prompt,
+            "has_new_line": has_new_line,
+            # The context never overflows into a shift here: generation stops at its end.
+            "truncated": False,
+            "stop_type": "limit" if self.prompt_only else stop_type(generation),
+            "stopping_word": generation.stop_string or "",
+            "tokens_cached": generation.cached_tokens,
+            "timings": self._timings(),
+        }
+        return select_fields(body, self.response_fields) if self.response_fields else body

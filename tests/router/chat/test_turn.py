@@ -1,0 +1,69 @@
+"""Prompt rendering and grammar choice for a turn, with the real Qwen3 template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from router.chat.request import ChatRequest, NamedTool
+from router.chat.turn import PreparedTurn, _grammar, prepare_turn
+from router.text.model_text import ModelText
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+class TextOnly:
+    """What prepare_turn needs of the manager: the model's text side."""
+
+    def __init__(self, text: ModelText):
+        self.text = text
+
+    async def text_for(self, slot: object) -> ModelText:
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def manager(qwen3_tokenizer_dir: Path) -> TextOnly:
+    return TextOnly(ModelText.load(qwen3_tokenizer_dir))
+
+
+def prepare(manager: TextOnly, request: ChatRequest) -> PreparedTurn:
+    return asyncio.run(prepare_turn(manager, None, request))  # type: ignore[arg-type]
+
+
+def test_thinking_follows_the_template(manager: TextOnly) -> None:
+    assert prepare(manager, ChatRequest(HI)).thinking == "open"
+    off = prepare(manager, ChatRequest(HI, enable_thinking=False))
+    assert off.thinking == "off" and off.prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_tools_reach_the_template_unless_the_choice_is_none(manager: TextOnly) -> None:
+    with_tools = prepare(manager, ChatRequest(HI, tools=[TOOL]))
+    assert "get_weather" in with_tools.prompt and with_tools.tool_format == "hermes"
+    assert _grammar(with_tools) is None  # auto: free text, parsed afterwards
+    without = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice="none"))
+    assert "get_weather" not in without.prompt and without.tool_format is None
+
+
+def test_forced_calls_get_a_grammar_that_lets_the_model_think_first(manager: TextOnly) -> None:
+    named = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice=NamedTool("get_weather")))
+    grammar = _grammar(named)
+    assert grammar is not None and grammar.kind == "structural_tag"
+    tag = json.loads(grammar.source)["format"]
+    assert tag["type"] == "sequence" and tag["elements"][0]["begin"] == "<think>"
+    assert tag["elements"][1]["begin"].startswith('<tool_call>\n{"name": "get_weather"')
+    quiet = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice="required", enable_thinking=False,
+                                         parallel_tool_calls=False))
+    tag = json.loads(_grammar(quiet).source)["format"]  # type: ignore[union-attr]
+    assert tag["type"] == "triggered_tags" and tag["at_least_one"] and tag["stop_after_first"]
+
+
+def test_a_prefill_is_continued_not_closed(manager: TextOnly) -> None:
+    prepared = prepare(manager, ChatRequest(HI, prefill="The answer is", enable_thinking=False))
+    assert prepared.prompt.endswith("The answer is")
+    assert prepared.prompt.count("<|im_start|>assistant") == 1

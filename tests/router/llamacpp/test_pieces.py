@@ -1,0 +1,42 @@
+"""/tokenize's pieces and its parse_special: false tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from router.llamacpp.pieces import pieces_for
+from router.text.model_text import ModelText
+
+
+@pytest.fixture(scope="module")
+def smollm2_text(smollm2_gguf: Path) -> ModelText:
+    return ModelText.load(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def qwen3_text(qwen3_tokenizer_dir: Path) -> ModelText:
+    return ModelText.load(qwen3_tokenizer_dir)
+
+
+def test_pieces_are_text_or_bytes(smollm2_text: ModelText, qwen3_text: ModelText) -> None:
+    for text in (smollm2_text, qwen3_text):
+        tokenizer = text.tokenizer
+        pieces = pieces_for(tokenizer)
+        assert pieces_for(tokenizer) is pieces
+        ids = tokenizer.encode("<|im_start|>Hello wörld 🦙\n")
+        joined = b"".join(pieces.token_bytes(i) for i in ids)
+        assert joined == "<|im_start|>Hello wörld 🦙\n".encode()
+        assert all(isinstance(pieces.piece(i), str | list) for i in ids)
+    smol = pieces_for(smollm2_text.tokenizer)
+    llama = smollm2_text.tokenizer.encode("🦙")
+    assert [smol.piece(i) for i in llama][:1] == [[240, 159]]
+
+
+def test_special_tokens_spelled_out(qwen3_text: ModelText) -> None:
+    pieces = pieces_for(qwen3_text.tokenizer)
+    ids = asyncio.run(pieces.encode_plain("<|im_start|>user<think>"))
+    assert 151644 not in ids and ids[-1] == 151667
+    assert qwen3_text.tokenizer.encode("<|im_start|>user")[0] == 151644

@@ -1,0 +1,239 @@
+"""A scripted engine for protocol tests: `python -m tests.support.scripted_engine`.
+
+It speaks the real router<->engine protocol over the real sockets (the router
+starts it in place of `python -m engine` when ROUNDHOUSE_ENGINE_MODULE names
+this module), but instead of running a model it answers from a script, so the
+tests can drive a real server, real SDKs and real parsers to known output:
+tool calls, reasoning, long text.
+
+The model directory is a normal Hugging Face directory (tokenizer, template,
+config.json) plus `script.json`:
+
+    {"rules": [{"when": "weather", "reply": "<tool_call>...</tool_call>"}, ...],
+     "default": "text"}
+
+For each request the prompt is decoded, and the rule whose `when` text occurs
+latest in it wins (so the newest turn of a conversation decides). The reply is
+tokenized with the model's own tokenizer and produced one token per step,
+followed by the end-of-sequence token; max_tokens cuts it with "length".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Awake,
+    EngineOptions,
+    EngineStats,
+    ErrorCode,
+    Generate,
+    GrammarVocab,
+    KvFacts,
+    ModelFacts,
+    Ready,
+    RequestError,
+    RequestOutput,
+    Shutdown,
+    Sleep,
+    Slept,
+    StepOutputs,
+    Wake,
+    command_decoder,
+    encoder,
+)
+from router.text.model_text import ModelText
+
+# Seconds per generated token: slow enough that a test can act mid-stream.
+STEP_SECONDS = 0.005
+# Prompt tokens "processed" per progress report.
+PROGRESS_CHUNK = 8
+
+
+@dataclass
+class Script:
+    rules: list[tuple[str, str]]
+    default: str
+
+    @classmethod
+    def load(cls, path: Path) -> Script:
+        data = json.loads(path.read_text())
+        return cls([(r["when"], r["reply"]) for r in data.get("rules", [])], data.get("default", ""))
+
+    def reply_for(self, prompt: str) -> str:
+        best, best_at = self.default, -1
+        for when, reply in self.rules:
+            at = prompt.rfind(when)
+            if at > best_at:
+                best, best_at = reply, at
+        return best
+
+
+@dataclass
+class Running:
+    request: Generate
+    reply: list[int]
+    produced: int = 0
+    progress: list[int] = field(default_factory=list)
+
+
+class ScriptedEngine:
+    def __init__(self, model: Path, options: EngineOptions, emit_socket: zmq.Socket):
+        self.text = ModelText.load(model)
+        self.script = Script.load(model / "script.json")
+        config = json.loads((model / "config.json").read_text())
+        self.vocab = int(config["vocab_size"])
+        self.context = options.max_context or int(config.get("max_position_embeddings", 2048))
+        self.options = options
+        self.eos = self.text.eos_token_ids[0]
+        self._socket = emit_socket
+        self._encode = encoder().encode
+        self.running: dict[str, Running] = {}
+        self.asleep = False
+        self.step = 0
+        self.stats = EngineStats(kv_pages_total=1024)
+        self.facts = ModelFacts(
+            architecture=config["architectures"][0], n_vocab=self.vocab,
+            n_ctx_train=int(config.get("max_position_embeddings", 2048)),
+            n_embd=int(config["hidden_size"]), n_layer=int(config["num_hidden_layers"]),
+            n_head=int(config["num_attention_heads"]), n_head_kv=int(config["num_key_value_heads"]),
+            n_params=0, size_bytes=0, dtype="float32", device="cpu",
+            eos_token_ids=list(self.text.eos_token_ids),
+        )
+
+    def emit(self, event: object) -> None:
+        self._socket.send(self._encode(event))
+
+    def ready(self) -> Ready:
+        kv = KvFacts(page_size=16, num_pages=1024, max_context=self.context,
+                     max_concurrency=self.options.max_concurrency,
+                     max_batched_tokens=self.options.max_batched_tokens, bytes_per_token=0)
+        return Ready(PROTOCOL_VERSION, os.getpid(), self.facts, kv, 0.0)
+
+    def handle(self, command: object) -> bool:
+        """False once the engine should exit."""
+        if isinstance(command, Generate):
+            self._start(command)
+        elif isinstance(command, Abort):
+            outputs = []
+            for request_id in command.request_ids:
+                job = self.running.pop(request_id, None)
+                if job is not None:
+                    outputs.append(self._output(job, [], "abort"))
+            if outputs:
+                self._publish(outputs)
+        elif isinstance(command, Sleep):
+            self.asleep = True
+            self.emit(Slept(0.0, 0, 0))
+        elif isinstance(command, Wake):
+            self.asleep = False
+            self.emit(Awake(0.0))
+        elif isinstance(command, Shutdown):
+            return False
+        elif isinstance(command, GrammarVocab):
+            pass
+        return True
+
+    def _start(self, request: Generate) -> None:
+        if self.asleep:
+            self.emit(RequestError(request.request_id, ErrorCode.INVALID_REQUEST, "the engine is asleep"))
+            return
+        if request.params.grammar is not None:
+            self.emit(RequestError(request.request_id, ErrorCode.INVALID_REQUEST,
+                                   "the scripted engine does not constrain output"))
+            return
+        if len(request.prompt_token_ids) >= self.context:
+            self.emit(RequestError(request.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                   f"the prompt has {len(request.prompt_token_ids)} tokens; "
+                                   f"the context is {self.context}"))
+            return
+        prompt = self.text.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+        reply = [*self.text.tokenizer.encode(self.script.reply_for(prompt)), self.eos]
+        job = Running(request, reply)
+        if request.params.report_progress:
+            total = len(request.prompt_token_ids)
+            job.progress = [*range(PROGRESS_CHUNK, total, PROGRESS_CHUNK), total]
+        self.running[request.request_id] = job
+        self.stats.prompt_tokens_total += len(request.prompt_token_ids)
+
+    def tick(self) -> None:
+        outputs = []
+        for request_id, job in list(self.running.items()):
+            if job.progress:
+                done = job.progress.pop(0)
+                outputs.append(RequestOutput(request_id, [], None, len(job.request.prompt_token_ids),
+                                             0, done))
+                continue
+            token = job.reply[job.produced]
+            job.produced += 1
+            params = job.request.params
+            reason = None
+            if (token == self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif job.produced >= params.max_tokens or job.produced >= len(job.reply):
+                reason = "length"
+            if reason is not None:
+                del self.running[request_id]
+            outputs.append(self._output(job, [token], reason))
+        self.stats.generated_tokens_total += sum(len(o.token_ids) for o in outputs)
+        self._publish(outputs)
+
+    def _output(self, job: Running, tokens: list[int], reason: str | None) -> RequestOutput:
+        return RequestOutput(job.request.request_id, tokens, reason,  # type: ignore[arg-type]
+                             len(job.request.prompt_token_ids), 0)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self.step += 1
+        self.stats.running = len(self.running)
+        self.stats.steps_total = self.step
+        self.emit(StepOutputs(self.step, outputs, msgspec.structs.replace(self.stats)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.scripted_engine")
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--options", default="{}", type=EngineOptions.from_json)
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--name", default="")
+    args = parser.parse_args()
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(args.input)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(args.output)
+    engine = ScriptedEngine(args.model, args.options, outbox)
+    engine.emit(engine.ready())
+    print(f"scripted engine ready (pid {os.getpid()})", file=sys.stderr, flush=True)
+    decode = command_decoder().decode
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        if args.parent_pid and os.getppid() != args.parent_pid:
+            return 1
+        waited = STEP_SECONDS if engine.running else 0.5
+        if poller.poll(int(waited * 1000)):
+            while inbox.poll(0):
+                if not engine.handle(decode(inbox.recv())):
+                    outbox.close()
+                    return 0
+        if engine.running:
+            engine.tick()
+            time.sleep(STEP_SECONDS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
