@@ -18,6 +18,7 @@ from typing import Any
 
 from protocol import SamplingParams
 from router.engine_client import EngineClient, RequestStream
+from router.http.errors import ApiError
 from router.text.detokenizer import IncrementalDetokenizer
 from router.text.model_text import ModelText
 from router.text.stop_strings import StopStringMatcher
@@ -25,6 +26,19 @@ from router.text.stop_strings import StopStringMatcher
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_context(prompt_ids: Sequence[int], max_context: int, param: str = "messages") -> None:
+    """OpenAI's context_length_exceeded error when the prompt leaves no room
+    for even one generated token."""
+    if len(prompt_ids) >= max_context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
+            "Please reduce the length of the input.",
+            code="context_length_exceeded", param=param,
+        )
 
 
 @dataclass(frozen=True)

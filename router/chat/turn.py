@@ -29,8 +29,8 @@ from router.chat.events import (
 )
 from router.chat.request import ChatRequest, NamedTool
 from router.chat.tool_grammar import answer_grammar, forced_tool_grammar
-from router.generation import Generation, GenerationInput, Piece, PromptProgress
-from router.http.errors import ApiError, invalid
+from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
+from router.http.errors import invalid
 from router.lifecycle import ModelManager, ModelSlot
 from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format
 from router.sampling import build_params
@@ -99,14 +99,7 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
     slot = prepared.slot
     max_context = slot.max_context
     prompt_ids = prepared.prompt_ids
-    if len(prompt_ids) >= max_context:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_context} tokens. However, your "
-            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
-            "Please reduce the length of the input.",
-            code="context_length_exceeded", param="messages",
-        )
+    check_context(prompt_ids, max_context)
     sampling = prepared.request.sampling
     room = max_context - len(prompt_ids)
     grammar = _grammar(prepared)

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from router.engine_client import EngineFailure
-from router.generation import Generation, GenerationInput
+from router.generation import Generation, GenerationInput, check_context
 from router.http.errors import ApiError, invalid, openai_error_body
 from router.http.keys import MANAGER
 from router.http.sse import open_event_stream, send_data, send_done
@@ -32,18 +32,6 @@ def autoload(request: web.Request) -> bool:
     if value is None:
         return request.app[MANAGER].config.autoload
     return value.lower() in ("1", "true", "yes", "on")
-
-
-def check_context(prompt_ids: list[int], max_context: int) -> None:
-    if len(prompt_ids) >= max_context:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_context} tokens. However, your "
-            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
-            "Please reduce the length of the input.",
-            code="context_length_exceeded",
-            param="messages",
-        )
 
 
 def start_generation(

@@ -15,7 +15,7 @@ import anthropic
 import pytest
 import requests
 
-from tests.support.scripted_models import ENGINE_ENV, WEATHER_CALL, scripted_model
+from tests.support.scripted_models import ENGINE_ENV, QWEN3_SCRIPT, WEATHER_CALL, scripted_model
 from tests.support.server import Server, running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -24,30 +24,22 @@ SUNNY = "It is sunny and 24°C in Paris."
 LONG_STORY = "Once upon a time " + "there was a roundhouse full of engines, " * 200 + "the end."
 
 SCRIPT = {
+    # The shared rules (tool calls, a tool result, a greeting) plus this
+    # module's own; an own rule comes first so it wins a tie.
     "rules": [
-        {"when": "What's the weather in Paris",
-         "reply": "<think>\nThe user asks about the weather, so I call the tool.\n</think>\n\n"
-                  "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                  + json.dumps(WEATHER_CALL) + "}\n</tool_call>"},
-        {"when": "Compare Paris and Rome",
-         "reply": "<think>\nTwo cities, two calls.\n</think>\n\n"
-                  "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
-                  "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"},
-        {"when": "<tool_response>",
-         "reply": "<think>\nThe tool says it is sunny.\n</think>\n\n" + SUNNY},
         # A failed tool call reaches the model as "Error: ..." in the tool's text.
         {"when": "Error: no such city",
          "reply": "<think>\nThe tool failed.\n</think>\n\nSorry, I could not find that city."},
-        {"when": "Say hello",
-         "reply": "<think>\nA greeting deserves a greeting.\n</think>\n\nHello! How can I help you today?"},
         {"when": "Count to five",
          "reply": "<think>\nCounting.\n</think>\n\nOne, two, three, four, five."},
         {"when": "Answer plainly", "reply": "Plain answer."},
         {"when": "Tell me a long story", "reply": LONG_STORY},
         {"when": "The best answer is (", "reply": "B) Helios"},
+        *QWEN3_SCRIPT["rules"],
     ],
-    "default": "<think>\nNothing to do.\n</think>\n\nI can only help with the weather.",
+    "default": QWEN3_SCRIPT["default"],
 }
+assert any(rule["reply"].endswith(SUNNY) for rule in QWEN3_SCRIPT["rules"])
 
 WEATHER_TOOL = {
     "name": "get_weather",
