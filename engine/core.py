@@ -195,7 +195,14 @@ class EngineCore:
                 self._publish()
 
     def step(self) -> None:
+        started = time.perf_counter()
         out = self.scheduler.schedule()
+        # Decode rows compute the newest token of a sequence that already has
+        # output; the rest of the batch is prompt (or recomputed) tokens.
+        # Counted before update() appends the sampled tokens.
+        decode_tokens = sum(1 for chunk in out.chunks if chunk.samples and chunk.num_tokens == 1
+                            and chunk.seq.num_output_tokens > 0)
+        prefill_tokens = out.num_tokens - decode_tokens
         sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
         # Sequences with no output yet are prefilling their prompt.
         reporting = [chunk.seq for chunk in out.chunks
@@ -216,7 +223,17 @@ class EngineCore:
                 self._forget(seq.request_id)
         for request_id, message in verdict.rejected.items():
             self._fail(request_id, message)
-        self._stats.generated_tokens_total += len(sampled)
+        stats = self._stats
+        stats.generated_tokens_total += len(sampled)
+        if not out.is_empty:
+            # The step's wall time, shared between prefill and decode by token
+            # count: llama.cpp's prompt/predicted seconds for a mixed batch.
+            seconds = time.perf_counter() - started
+            stats.prefill_tokens_total += prefill_tokens
+            stats.prefill_seconds_total += seconds * prefill_tokens / out.num_tokens
+            stats.decode_seconds_total += seconds * decode_tokens / out.num_tokens
+            stats.forward_passes_total += 1
+            stats.busy_slots_total += len(out.chunks)
         self._publish()
 
     def _fail(self, request_id: str, message: str) -> None:
@@ -258,6 +275,7 @@ class EngineCore:
         stats.waiting = len(scheduler.waiting)
         stats.kv_pages_used = pool.num_used
         stats.kv_pages_cached = pool.num_cached
+        stats.kv_tokens_used = sum(seq.num_computed_tokens for seq in scheduler.running)
         stats.preemptions_total = scheduler.num_preemptions
         stats.cached_tokens_total = scheduler.num_cached_tokens_total
         stats.steps_total = self.step_count

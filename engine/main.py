@@ -50,10 +50,15 @@ class ProgressReporter:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s engine: %(message)s",
-    )
+    # The router's line format (router/observability/logging_setup.py, which
+    # the engine may not import): the router forwards these lines after a
+    # `[model]` prefix, and they read the same as its own.
+    formatter = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+                                  "%Y-%m-%d %H:%M:%S")
+    formatter.converter = time.gmtime
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     sockets = EngineSockets(args.input, args.output)

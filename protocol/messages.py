@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -146,6 +146,19 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     generated_tokens_total: int = 0
     preemptions_total: int = 0
     steps_total: int = 0
+    # What GET /metrics (llama.cpp's llamacpp: series) is derived from. A
+    # step's wall time is split between prefill and decode in proportion to
+    # the tokens of each kind it computed.
+    # Prompt tokens computed (cache hits excluded, recomputation after a
+    # preemption included).
+    prefill_tokens_total: int = 0
+    prefill_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0
+    # Steps that ran the model, and the sum of their batch sizes (sequences).
+    forward_passes_total: int = 0
+    busy_slots_total: int = 0
+    # Tokens whose K/V the running sequences hold now.
+    kv_tokens_used: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step", **_STRUCT):

@@ -9,13 +9,14 @@ a bad flag included, exits with status 1.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from router import env
 from router.config import ServeConfig
+from router.observability.logging_setup import configure_logging
 from router.options import OptionValueError, add_arguments, given_options, names
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -75,6 +76,34 @@ def build_parser() -> argparse.ArgumentParser:
                             "least recently used dropped first (default: 10000)")
     serve.add_argument("--response-store-max-mib", type=float, default=512.0, metavar="MIB",
                        help="memory those stored responses may take, in MiB (default: 512)")
+    security = serve.add_argument_group("security and admission")
+    security.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                          help="an API key clients must send (repeat for more); keys also come "
+                               f"from ${env.API_KEY} (comma-separated) and --api-key-file")
+    security.add_argument("--api-key-file", type=Path, metavar="PATH",
+                          help="one key per line, optionally `label: key`; # comments; must not be "
+                               "readable by group or others; re-read when it changes")
+    security.add_argument("--metrics-open", action="store_true", help="serve /metrics without a key")
+    security.add_argument("--cors", action="store_true", help="permissive CORS headers")
+    security.add_argument("--max-request-mib", type=float, default=64.0, metavar="MIB",
+                          help="largest request body (default: 64)")
+    security.add_argument("--max-pending-requests", type=int, default=128, metavar="N",
+                          help="generation requests that may wait per model beyond its lanes "
+                               "(default: 128); more get 429")
+    security.add_argument("--max-token-count-requests", type=int, default=64, metavar="N",
+                          help="token-counting requests served at once (default: 64)")
+    security.add_argument("--default-max-tokens", type=int, default=0, metavar="N",
+                          help="output budget for requests that name none (default: 0, one "
+                               "lane's share of the KV pool)")
+    logs = serve.add_argument_group("logs")
+    logs.add_argument("--request-log-jsonl", type=Path, metavar="FILE",
+                      help="write one JSON object per request event (docs/observability.md)")
+    logs.add_argument("--request-log-max-mib", type=float, default=100.0, metavar="MIB",
+                      help="rotate the request log at this size (default: 100)")
+    logs.add_argument("--request-log-keep", type=int, default=5, metavar="N",
+                      help="rotated request logs kept (default: 5)")
+    logs.add_argument("--log-stats-interval-ms", type=int, default=10_000, metavar="MS",
+                      help="period of the throughput line on stderr (default: 10000; 0: off)")
     add_arguments(serve)
     sub.add_parser("fetch-default", help="download the default model into the cache and print its path")
     return parser
@@ -108,6 +137,19 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             aliases=args.alias,
             response_store_max_records=args.response_store_max_records,
             response_store_max_mib=args.response_store_max_mib,
+            api_keys=tuple(args.api_key),
+            api_keys_env=env.api_keys_from_environment(),
+            api_key_file=args.api_key_file,
+            metrics_open=args.metrics_open,
+            cors=args.cors,
+            max_request_mib=args.max_request_mib,
+            max_pending_requests=args.max_pending_requests,
+            max_token_count_requests=args.max_token_count_requests,
+            default_max_tokens=args.default_max_tokens,
+            request_log_jsonl=args.request_log_jsonl,
+            request_log_max_mib=args.request_log_max_mib,
+            request_log_keep=args.request_log_keep,
+            log_stats_interval_ms=args.log_stats_interval_ms,
         )
     except ValueError as exc:
         raise CommandLineError(str(exc)) from None
@@ -135,11 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except CommandLineError as exc:
         return _startup_failed(exc)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # `2026-11-29 20:27:32.123 INFO message` on stderr (docs/observability.md).
+    configure_logging(getattr(args, "log_level", "info"))
     from router.default_model import FetchError, ensure_default_model
 
     if args.command == "fetch-default":

@@ -34,6 +34,33 @@ class ServeConfig:
     # (previous_response_id, GET /v1/responses/{id}); least recently used go first.
     response_store_max_records: int = 10_000
     response_store_max_mib: float = 512.0
+    # ---- security and admission (docs/security.md, docs/serving.md) ----
+    # API keys from --api-key (labels cli-1, cli-2, ...) and the
+    # ROUNDHOUSE_API_KEY environment variable (env-1, ...); --api-key-file
+    # adds file-<label> keys and is re-read when it changes.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_env: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: Path | None = None
+    # /metrics without a key.
+    metrics_open: bool = False
+    # Permissive CORS headers.
+    cors: bool = False
+    # Request bodies above this are refused before parsing (413).
+    max_request_mib: float = 64.0
+    # Generation requests that may wait per model beyond its lanes; past it, 429.
+    max_pending_requests: int = 128
+    # Token-counting requests (count_tokens, input_tokens, /tokenize,
+    # /apply-template) served at once; past it, 429.
+    max_token_count_requests: int = 64
+    # Output budget for requests that name none; 0 means one lane's share of
+    # the KV pool, clamped to the remaining context.
+    default_max_tokens: int = 0
+    # ---- observability (docs/observability.md) ----
+    request_log_jsonl: Path | None = None
+    request_log_max_mib: float = 100.0
+    request_log_keep: int = 5
+    # The periodic throughput line on stderr; 0 turns it off.
+    log_stats_interval_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.model is not None and (self.models_dir or self.models_preset):
@@ -46,6 +73,17 @@ class ServeConfig:
             raise ValueError("--pending-timeout-ms must be 0 or more")
         if self.response_store_max_records < 1:
             raise ValueError("--response-store-max-records must be 1 or more")
+        if not self.max_request_mib > 0:
+            raise ValueError("--max-request-mib must be more than 0")
+        if self.max_pending_requests < 0 or self.max_token_count_requests < 1:
+            raise ValueError("--max-pending-requests must be 0 or more and "
+                             "--max-token-count-requests at least 1")
+        if self.default_max_tokens < 0:
+            raise ValueError("--default-max-tokens must be 0 (one lane's share) or more")
+        if not self.request_log_max_mib > 0 or self.request_log_keep < 1:
+            raise ValueError("--request-log-max-mib must be more than 0 and --request-log-keep at least 1")
+        if self.log_stats_interval_ms < 0:
+            raise ValueError("--log-stats-interval-ms must be 0 (off) or more")
         if not self.response_store_max_mib > 0:
             raise ValueError("--response-store-max-mib must be more than 0")
         if not 0 < self.port < 65536:

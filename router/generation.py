@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import SamplingParams
-from router.engine_client import EngineClient, RequestStream
+from router.engine_client import EngineClient, EngineFailure, RequestStream
 from router.http.errors import ApiError
+from router.observability.records import RequestRecord, current_record
 from router.text.detokenizer import IncrementalDetokenizer
 from router.text.model_text import ModelText
 from router.text.stop_strings import StopStringMatcher
@@ -96,11 +97,27 @@ class Generation:
         refuses the request or dies."""
         spec = self.spec
         self._started = time.perf_counter()
+        record = current_record.get()
+        if record is not None:
+            record.engine_request_id = self.request_id
+            record.prompt_tokens = self.prompt_tokens
         self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params)
         detokenizer = IncrementalDetokenizer(
             self.text.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens
         )
         matcher = StopStringMatcher(spec.stop)
+        try:
+            async for item in self._pieces(stream, detokenizer, matcher, record):
+                yield item
+        except EngineFailure as exc:
+            if record is not None:
+                # A stream that already answered 200 still failed.
+                record.outcome, record.error_code = "error", exc.code
+            raise
+
+    async def _pieces(self, stream: RequestStream, detokenizer: IncrementalDetokenizer,
+                      matcher: StopStringMatcher, record: RequestRecord | None,
+                      ) -> AsyncIterator[Piece | PromptProgress]:
         async for output in stream:
             self.cached_tokens = output.num_cached_tokens
             ids = output.token_ids
@@ -109,6 +126,10 @@ class Generation:
                 continue
             if ids and not self._first_token:
                 self._first_token = time.perf_counter()
+            if record is not None:
+                record.cached_tokens = self.cached_tokens
+                if ids:
+                    record.add_tokens(len(ids))
             self.completion_tokens += len(ids)
             self.token_ids.extend(ids)
             visible = ids
@@ -139,6 +160,9 @@ class Generation:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        record = current_record.get()
+        if record is not None:
+            record.finish_reason = reason
         self._ended = time.perf_counter()
         if not self._first_token:
             self._first_token = self._ended

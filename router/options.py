@@ -202,6 +202,9 @@ ROUTER_OPTIONS = frozenset({
     "host", "port", "models-dir", "models-preset", "models-max", "models-autoload",
     "no-models-autoload", "pending-timeout-ms", "log-level",
     "response-store-max-records", "response-store-max-mib",
+    "api-key", "api-key-file", "metrics-open", "cors", "max-request-mib", "max-pending-requests",
+    "max-token-count-requests", "default-max-tokens", "request-log-jsonl", "request-log-max-mib",
+    "request-log-keep", "log-stats-interval-ms",
 })
 
 

@@ -62,7 +62,7 @@ class SamplingDefaults:
 @dataclass(frozen=True)
 class SamplingRequest:
     """What a request asked for, in any API's terms; None leaves a choice to
-    the defaults (max_tokens None: the rest of the context)."""
+    the defaults (max_tokens None: ModelManager.output_budget decides)."""
 
     max_tokens: int | None = None
     temperature: float | None = None

@@ -3,14 +3,16 @@
 Exit status: 0 after SIGTERM/SIGINT; 1 when start-up fails (bad catalog,
 port in use, a single model that cannot load); 2 when a single-model server's
 engine fails later, so a supervisor such as systemd restarts it.
-SIGHUP rescans --models-dir and --models-preset.
+SIGHUP rescans --models-dir and --models-preset and re-reads --api-key-file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
+import sys
 
 import uvloop
 from aiohttp import web
@@ -18,9 +20,11 @@ from aiohttp import web
 from router.app import create_app
 from router.catalog import build_catalog
 from router.config import ServeConfig
+from router.http.auth import KEY_STORE, AuthConfigError, KeyStore
 from router.lifecycle import ModelManager
 from router.lifecycle.manager import EXIT_STARTUP_FAILED
 from router.lifecycle.reload import reload_catalog
+from router.observability.operator_logs import OperatorLogs
 from router.systemd import monotonic_usec, notify
 
 log = logging.getLogger("router")
@@ -35,8 +39,21 @@ async def run(config: ServeConfig) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP_FAILED
+    try:
+        operator_logs = OperatorLogs.open(config, catalog, sys.argv)
+    except OSError as exc:
+        log.error("cannot write the request log: %s", exc)
+        return EXIT_STARTUP_FAILED
     manager = ModelManager(catalog, config)
-    app = create_app(manager)
+    operator_logs.attach(manager)
+    try:
+        app = create_app(manager)
+    except AuthConfigError as exc:
+        log.error("%s", exc)
+        await manager.close()
+        await operator_logs.close(EXIT_STARTUP_FAILED)
+        return EXIT_STARTUP_FAILED
+    keys = app[KEY_STORE]
     # handler_cancellation: a client that disconnects cancels its handler, whose
     # cleanup aborts the engine request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -49,16 +66,18 @@ async def run(config: ServeConfig) -> int:
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
         await runner.cleanup()
+        await operator_logs.close(EXIT_STARTUP_FAILED)
         return EXIT_STARTUP_FAILED
     # Handlers first: once READY=1 is out, systemd may send SIGHUP at once.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: manager.spawn(_reload(manager), "sighup-reload"))
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, manager, keys)
     count = len(catalog.entries)
     log.info("listening on http://%s:%d (%d model%s)", config.host, config.port,
              count, "" if count == 1 else "s")
+    _log_access(config, keys)
     notify("READY=1", f"STATUS=listening on {config.host}:{config.port}")
     manager.start()
 
@@ -73,7 +92,35 @@ async def run(config: ServeConfig) -> int:
     # for the handlers.
     manager.begin_shutdown()
     await runner.cleanup()
+    # After the handlers: the requests that shutdown ended are in the log.
+    await operator_logs.close(status)
     return status
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _log_access(config: ServeConfig, keys: KeyStore) -> None:
+    if keys.enabled:
+        # Labels only: they say which keys exist without saying what they are.
+        log.info("API keys required (%s)", ", ".join(keys.labels))
+    elif not _is_loopback(config.host):
+        log.warning("listening on %s without API keys: anyone who can reach it can use every "
+                    "model; give --api-key, $ROUNDHOUSE_API_KEY or --api-key-file "
+                    "(docs/security.md)", config.host)
+
+
+def _on_sighup(manager: ModelManager, keys: KeyStore) -> None:
+    # The key file first and at once: it is quick, and a rotated key should
+    # work before a slow catalog rescan ends.
+    keys.reload()
+    manager.spawn(_reload(manager), "sighup-reload")
 
 
 async def _reload(manager: ModelManager) -> None:

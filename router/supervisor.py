@@ -36,13 +36,31 @@ class EngineStartError(RuntimeError):
 
 
 def engine_args(entry: CatalogEntry) -> list[str]:
-    """The engine's command line, less the per-run socket addresses."""
+    """The engine's command line, less the per-run socket addresses; it logs
+    at the router's level."""
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return [
         sys.executable, "-m", engine_module(),
         "--model", str(entry.path),
         "--name", entry.id,
         "--options", entry.settings.engine.to_json(),
+        "--log-level", level,
     ]
+
+
+# The engine's log line: "YYYY-MM-DD HH:MM:SS.mmm LEVEL message".
+_ENGINE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} "
+                          r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)$")
+
+
+def engine_line(line: str) -> tuple[int, str]:
+    """The level and text of one line of engine output: its own log lines
+    keep their level (the router's line adds the time again); anything else
+    (a traceback, a library's print) is INFO."""
+    match = _ENGINE_LINE.match(line)
+    if match is None:
+        return logging.INFO, line
+    return logging.getLevelName(match[1]), match[2]
 
 
 class EngineProcess:
@@ -107,7 +125,8 @@ class EngineProcess:
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self._tail.append(line)
-                log.info("[%s] %s", self.entry.id, line)
+                level, text = engine_line(line)
+                log.log(level, "[%s] %s", self.entry.id, text)
         code = await self.process.wait()
         if not self.exited.done():
             self.exited.set_result(code)

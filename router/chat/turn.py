@@ -32,6 +32,7 @@ from router.chat.tool_grammar import answer_grammar, forced_tool_grammar
 from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
 from router.http.errors import invalid
 from router.lifecycle import ModelManager, ModelSlot
+from router.observability.records import current_record
 from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format
 from router.sampling import build_params
 from router.supervisor import EngineProcess
@@ -101,7 +102,6 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
     prompt_ids = prepared.prompt_ids
     check_context(prompt_ids, max_context)
     sampling = prepared.request.sampling
-    room = max_context - len(prompt_ids)
     grammar = _grammar(prepared)
     if grammar is not None:
         from router.text.grammar_vocab import grammar_vocab
@@ -109,8 +109,7 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
         engine.client.send_vocab_once(lambda: grammar_vocab(prepared.text))
     params = build_params(
         sampling,
-        # Omitted: the rest of the context. Larger: "length" when it is full.
-        max_tokens=min(sampling.max_tokens or room, room),
+        max_tokens=manager.output_budget(slot, len(prompt_ids), sampling.max_tokens),
         defaults=manager.sampling_defaults(slot),
         eos_token_ids=prepared.text.eos_token_ids,
         grammar=grammar,
@@ -147,6 +146,11 @@ class TurnRun:
                 yield event
         for event in self._flush():
             yield event
+        record = current_record.get()
+        if record is not None:
+            record.reasoning_tokens = self.reasoning_tokens
+            # Tool calls, not the engine's "stop", are how this turn ended.
+            record.finish_reason = self.finish_reason
 
     def _split(self, piece: Piece) -> list[ParsedEvent]:
         if self._reasoning is None:

@@ -86,17 +86,23 @@ _ANTHROPIC_TYPES = {
     409: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 
 
-def anthropic_status(status: int) -> int:
-    """Anthropic says "overloaded" with 529 where we say 503."""
-    return 529 if status == 503 else status
+def anthropic_status(error: ApiError) -> int:
+    """Anthropic says "overloaded" with 529 where we say 503 or refuse a full
+    queue with 429, and "timeout" with 504 where a request waited too long."""
+    if error.code == "request_queue_timeout":
+        return 504
+    if error.status == 503 or error.code == "server_overloaded":
+        return 529
+    return error.status
 
 
 def anthropic_error_body(error: ApiError, request_id: str) -> dict[str, Any]:
-    status = anthropic_status(error.status)
+    status = anthropic_status(error)
     kind = _ANTHROPIC_TYPES.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}, "request_id": request_id}
 
@@ -129,7 +135,7 @@ def error_response(error: ApiError, shape: ErrorShape = ErrorShape.OPENAI) -> we
     if shape is ErrorShape.ANTHROPIC:
         request_id = new_anthropic_request_id()
         return web.json_response(anthropic_error_body(error, request_id),
-                                 status=anthropic_status(error.status),
+                                 status=anthropic_status(error),
                                  headers={**error.headers, "request-id": request_id})
     body = openai_error_body(error) if shape is ErrorShape.OPENAI else llamacpp_error_body(error)
     return web.json_response(body, status=error.status, headers=error.headers)
@@ -144,17 +150,28 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if error.status >= 500:
             log.warning("%s %s -> %d %s: %s", request.method, request.path, error.status,
                         error.code, error.message)
-        return error_response(error, shape)
+        return _render(request, error, shape)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        # aiohttp's own errors (unknown route, wrong method) in the API's shape.
-        code = exc.reason.lower().replace(" ", "_")
-        return error_response(ApiError(exc.status, exc.reason, code=code), shape)
+        # aiohttp's own errors (unknown route, wrong method, a body over
+        # --max-request-mib) in the API's shape.
+        code = "request_too_large" if exc.status == 413 else exc.reason.lower().replace(" ", "_")
+        return _render(request, ApiError(exc.status, exc.reason, code=code), shape)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = ApiError(500, "internal server error; see the server log", code="internal_error")
-        return error_response(error, shape)
+        return _render(request, error, shape)
+
+
+def _render(request: web.Request, error: ApiError, shape: ErrorShape) -> web.Response:
+    # The request's record (router/http/observe.py) learns why it failed.
+    from router.observability.records import RECORD
+
+    record = request.get(RECORD)
+    if record is not None:
+        record.error_code = error.code
+    return error_response(error, shape)
 
 
 def _param_from_path(path: str) -> str | None:

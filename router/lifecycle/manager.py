@@ -29,6 +29,7 @@ from router.engine_client import EngineFailure
 from router.http.errors import ApiError
 from router.lifecycle.events import ModelEvents
 from router.lifecycle.slot import ModelSlot, ModelState
+from router.observability.records import Observers, current_record
 from router.sampling import SamplingDefaults
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
@@ -60,6 +61,7 @@ class ModelManager:
         self.slots = {entry_id: ModelSlot(entry) for entry_id, entry in catalog.entries.items()}
         self.single = not config.is_router
         self.events = events or ModelEvents()
+        self.observers = Observers()
         self.run_dir = Path(tempfile.mkdtemp(prefix="roundhouse-"))
         self.shutting_down = False
         # A single-model server is ready once its model first loads.
@@ -117,23 +119,52 @@ class ModelManager:
             self._defaults[entry] = SamplingDefaults.for_model(entry.path, entry.settings.sampling)
         return self._defaults[entry]
 
+    def output_budget(self, slot: ModelSlot, prompt_tokens: int, asked: int | None) -> int:
+        """max_tokens for a request: what it asked for, else --default-max-tokens,
+        else one lane's share of the KV pool (so every lane can run at once),
+        always within the context left after the prompt; running out ends the
+        generation with finish_reason "length"."""
+        room = slot.max_context - prompt_tokens
+        if asked is not None:
+            return min(asked, room)
+        if self.config.default_max_tokens:
+            return min(self.config.default_max_tokens, room)
+        assert slot.ready is not None
+        share = slot.ready.kv.capacity_tokens // slot.ready.kv.max_concurrency
+        return max(min(share, room), 1)
+
     # ---- requests ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def lease(self, slot: ModelSlot, *, autoload: bool = True) -> AsyncIterator[EngineProcess]:
         """Hold the model loaded while a request uses it (loading or waking it
-        first); the request counts as use for the idle timers."""
-        await self._acquire(slot, autoload)
+        first), then one of its engine's lanes (router/lifecycle/admission.py);
+        the request counts as use for the idle timers. Waiting for room and
+        for a lane together is bounded by --pending-timeout-ms from arrival."""
+        record = current_record.get()
+        if record is not None:
+            # Known before admission, so a refusal (429, timeout) names it too.
+            record.model = slot.id
+        arrived = record.arrived if record is not None else time.monotonic()
+        deadline = arrived + self.config.pending_timeout_ms / 1000
+        await self._acquire(slot, autoload, deadline)
         try:
-            assert slot.engine is not None
-            yield slot.engine
+            lanes = slot.lane_count
+            await slot.lanes.enter(lanes, self.config.max_pending_requests, deadline)
+            try:
+                if record is not None:
+                    record.admit(slot.id)
+                assert slot.engine is not None
+                yield slot.engine
+            finally:
+                slot.lanes.leave(lanes)
         finally:
             slot.in_flight -= 1
             slot.last_used = time.monotonic()
             if slot.in_flight == 0:
                 self._changed()
 
-    async def _acquire(self, slot: ModelSlot, autoload: bool) -> None:
+    async def _acquire(self, slot: ModelSlot, autoload: bool, deadline: float) -> None:
         while True:
             self._check_open()
             state = slot.state
@@ -144,14 +175,14 @@ class ModelManager:
             if state is S.UNLOADED and not autoload:
                 raise ApiError(503, f"model '{slot.id}' is not loaded and autoload is off; "
                                "POST /models/load loads it", code="model_not_loaded")
-            await self._bring_up(slot)
+            await self._bring_up(slot, deadline)
 
     async def load(self, slot: ModelSlot) -> None:
         """POST /models/load: return once the model is loaded (or awake)."""
-        await self._bring_up(slot)
+        await self._bring_up(slot, time.monotonic() + self.config.pending_timeout_ms / 1000)
         slot.last_used = time.monotonic()
 
-    async def _bring_up(self, slot: ModelSlot) -> None:
+    async def _bring_up(self, slot: ModelSlot, deadline: float) -> None:
         """Make the model LOADED: load or wake it under --models-max, or wait
         for the transition under way. Raises 503 if a load it waited on fails.
 
@@ -161,15 +192,15 @@ class ModelManager:
         """
         slot.pending += 1
         try:
-            await self._bring_up_wanted(slot)
+            await self._bring_up_wanted(slot, deadline)
         finally:
             slot.pending -= 1
 
-    async def _bring_up_wanted(self, slot: ModelSlot) -> None:
+    async def _bring_up_wanted(self, slot: ModelSlot, deadline: float) -> None:
         while slot.state is not S.LOADED:
             self._check_open()
             if slot.state in (S.UNLOADED, S.SLEEPING):
-                await self._wait_for_room(slot)
+                await self._wait_for_room(slot, deadline)
             elif slot.state in (S.LOADING, S.WAKING):
                 assert slot.task is not None
                 try:
@@ -227,14 +258,14 @@ class ModelManager:
 
     # ---- room under --models-max -------------------------------------------------
 
-    async def _wait_for_room(self, slot: ModelSlot) -> None:
+    async def _wait_for_room(self, slot: ModelSlot, deadline: float) -> None:
         """Queue (in arrival order) until the model can load or wake; its
         transition has started when this returns."""
         waiter = _RoomWaiter(slot, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._pump()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.granted), self.config.pending_timeout_ms / 1000)
+            await asyncio.wait_for(asyncio.shield(waiter.granted), max(deadline - time.monotonic(), 0))
         except TimeoutError:
             limit = self.config.models_max
             raise ApiError(
@@ -334,6 +365,7 @@ class ModelManager:
                 "progress": {"stages": ["weights"], "current": "weights", "value": round(event.fraction, 4)},
             })
 
+        started = time.monotonic()
         try:
             ready = await engine.start(slot.entry.settings.load_timeout, on_progress)
         except Exception as exc:
@@ -347,6 +379,7 @@ class ModelManager:
         log.info("model %s loaded in %.1fs (pid %d, context %d, %d KV pages)",
                  slot.id, ready.load_seconds, ready.pid, ready.kv.max_context, ready.kv.num_pages)
         self.ready_once = True
+        self.observers.model_event(slot.id, "load", time.monotonic() - started)
         self._set_state(slot, S.LOADED, {"info": {
             "pid": ready.pid, "load_seconds": round(ready.load_seconds, 3),
             "n_ctx": ready.kv.max_context, "device": ready.model.device,
@@ -356,6 +389,7 @@ class ModelManager:
     async def _wake(self, slot: ModelSlot) -> None:
         engine = slot.engine
         assert engine is not None
+        started = time.monotonic()
         try:
             awake = await asyncio.wait_for(engine.client.wake(), slot.entry.settings.load_timeout)
         except (EngineFailure, TimeoutError) as exc:
@@ -366,18 +400,21 @@ class ModelManager:
             raise ModelLoadFailed(reason) from exc
         slot.last_used = time.monotonic()
         log.info("model %s woke in %.2fs", slot.id, awake.seconds)
+        self.observers.model_event(slot.id, "wake", time.monotonic() - started)
         self._set_state(slot, S.LOADED)
 
     async def _sleep(self, slot: ModelSlot) -> None:
         engine = slot.engine
         assert engine is not None
         weights = slot.entry.settings.suspend_weights
+        started = time.monotonic()
         try:
             slept = await engine.client.sleep(weights)
         except EngineFailure:
             return  # the engine died; _watch marks the model failed
         log.info("model %s asleep in %.2fs (weights: %s, %d KV pages kept, %d device bytes still held)",
                  slot.id, slept.seconds, weights, slept.kept_pages, slept.device_bytes)
+        self.observers.model_event(slot.id, "sleep", time.monotonic() - started)
         if slot.engine is engine:
             self._set_state(slot, S.SLEEPING)
 
@@ -387,8 +424,11 @@ class ModelManager:
         while slot.in_flight:
             await self._wait_change()
         engine = slot.engine
+        started = time.monotonic()
+        slot.retire_engine_counters()
         if engine is not None:
             await engine.stop(reason)
+        self.observers.model_event(slot.id, "unload", time.monotonic() - started)
         slot.engine = None
         slot.ready = None
         self._set_state(slot, S.UNLOADED)
@@ -411,12 +451,14 @@ class ModelManager:
     def _fail(self, slot: ModelSlot, engine: EngineProcess, reason: str) -> None:
         if slot.engine is not engine:
             return
+        slot.retire_engine_counters()
         slot.engine = None
         slot.ready = None
         slot.failed = True
         slot.error = reason
         slot.exit_code = engine.exited.result() if engine.exited.done() else None
         log.error("model %s failed: %s", slot.id, reason)
+        self.observers.model_event(slot.id, "fail", 0.0)
         self._set_state(slot, S.UNLOADED)
 
     def _exit_if_single(self, status: int) -> None:

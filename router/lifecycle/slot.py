@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from protocol import Ready
 from router.catalog import CatalogEntry
+from router.lifecycle.admission import LaneQueue
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
 
@@ -47,6 +48,13 @@ class ModelState(enum.Enum):
 
 _PUBLIC = {ModelState.SUSPENDING: "sleeping", ModelState.WAKING: "loading"}
 
+# EngineStats counters that only grow during an engine's life.
+COUNTERS = (
+    "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "preemptions_total",
+    "steps_total", "prefill_tokens_total", "prefill_seconds_total", "decode_seconds_total",
+    "forward_passes_total", "busy_slots_total",
+)
+
 
 @dataclass(eq=False)
 class ModelSlot:
@@ -70,6 +78,24 @@ class ModelSlot:
     unload_requested: bool = False
     text: ModelText | None = None
     text_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Requests holding the model wait here for one of its engine's lanes.
+    lanes: LaneQueue = field(default_factory=LaneQueue)
+    # Token counters of this model's engines that have ended, so that the
+    # totals reported stay monotonic across unloads and restarts.
+    retired: dict[str, float] = field(default_factory=dict)
+
+    def retire_engine_counters(self) -> None:
+        if self.engine is None:
+            return
+        stats = self.engine.client.stats
+        for name in COUNTERS:
+            self.retired[name] = self.retired.get(name, 0) + getattr(stats, name)
+
+    def counters(self) -> dict[str, float]:
+        """Monotonic totals: ended engines plus the running one."""
+        live = self.engine.client.stats if self.engine is not None else None
+        return {name: self.retired.get(name, 0) + (getattr(live, name) if live is not None else 0)
+                for name in COUNTERS}
 
     @property
     def id(self) -> str:
@@ -79,3 +105,8 @@ class ModelSlot:
     def max_context(self) -> int:
         assert self.ready is not None
         return self.ready.kv.max_context
+
+    @property
+    def lane_count(self) -> int:
+        assert self.ready is not None
+        return self.ready.kv.max_concurrency

@@ -47,13 +47,11 @@ def start_generation(
 ) -> Generation:
     check_max_tokens(max_tokens, max_tokens_field)
     check_context(prompt_ids, slot.max_context)
-    room = slot.max_context - len(prompt_ids)
+    manager = app[MANAGER]
     params = build_sampling(
         req,
-        # Omitted: the rest of the context. Larger than that: generation ends
-        # with finish_reason "length" when the context is full.
-        max_tokens=min(max_tokens or room, room),
-        defaults=app[MANAGER].sampling_defaults(slot),
+        max_tokens=manager.output_budget(slot, len(prompt_ids), max_tokens),
+        defaults=manager.sampling_defaults(slot),
         eos_token_ids=text.eos_token_ids,
     )
     spec = GenerationInput(prompt_ids, params, stop_strings(req.stop), req.skip_special_tokens)

@@ -86,6 +86,8 @@ class Running:
     reply: list[int]
     produced: int = 0
     progress: list[int] = field(default_factory=list)
+    # Prompt tokens "computed" so far (the progress reports, else all at once).
+    computed: int = 0
 
 
 class ScriptedEngine:
@@ -169,12 +171,19 @@ class ScriptedEngine:
 
     def tick(self) -> None:
         outputs = []
+        busy = len(self.running)
+        prefill = 0
         for request_id, job in list(self.running.items()):
+            prompt = len(job.request.prompt_token_ids)
             if job.progress:
                 done = job.progress.pop(0)
+                prefill += done - job.computed
+                job.computed = done
                 outputs.append(RequestOutput(request_id, [], None, len(job.request.prompt_token_ids),
                                              0, done))
                 continue
+            prefill += prompt - job.computed
+            job.computed = prompt
             token = job.reply[job.produced]
             job.produced += 1
             params = job.request.params
@@ -186,7 +195,17 @@ class ScriptedEngine:
             if reason is not None:
                 del self.running[request_id]
             outputs.append(self._output(job, [token], reason))
-        self.stats.generated_tokens_total += sum(len(o.token_ids) for o in outputs)
+        decode = sum(len(o.token_ids) for o in outputs)
+        stats = self.stats
+        stats.generated_tokens_total += decode
+        # As the real engine does: one forward pass per tick, its (nominal)
+        # time shared between prompt and output tokens by count.
+        if prefill + decode:
+            stats.prefill_tokens_total += prefill
+            stats.prefill_seconds_total += STEP_SECONDS * prefill / (prefill + decode)
+            stats.decode_seconds_total += STEP_SECONDS * decode / (prefill + decode)
+            stats.forward_passes_total += 1
+            stats.busy_slots_total += busy
         self._publish(outputs)
 
     def _output(self, job: Running, tokens: list[int], reason: str | None) -> RequestOutput:
@@ -197,6 +216,10 @@ class ScriptedEngine:
         self.step += 1
         self.stats.running = len(self.running)
         self.stats.steps_total = self.step
+        self.stats.kv_tokens_used = sum(job.computed + job.produced for job in self.running.values())
+        # 16-token pages, as ready() announces.
+        self.stats.kv_pages_used = sum(-(-(job.computed + job.produced) // 16)
+                                       for job in self.running.values())
         self.emit(StepOutputs(self.step, outputs, msgspec.structs.replace(self.stats)))
 
 
@@ -208,6 +231,7 @@ def main() -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--name", default="")
+    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)

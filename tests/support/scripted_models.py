@@ -31,7 +31,7 @@ QWEN3_SCRIPT = {
         {"when": "Break the call",
          "reply": "<tool_call>\n{\"name\": \n</tool_call> sorry"},
         {"when": "Tell me a long story",
-         "reply": "Once upon a time " + "there was a roundhouse full of engines, " * 40 + "the end."},
+         "reply": "Once upon a time " + "there was a roundhouse full of engines, " * 150 + "the end."},
     ],
     "default": "<think>\nNothing to do.\n</think>\n\nI can only help with the weather.",
 }
