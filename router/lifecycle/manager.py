@@ -18,17 +18,21 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol import LoadProgress
 from router.catalog import Catalog
 from router.config import ServeConfig
-from router.engine_client import EngineFailure
 from router.http.errors import ApiError
 from router.lifecycle.events import ModelEvents
+from router.lifecycle.room import RoomKeeping, RoomWaiter
 from router.lifecycle.slot import ModelSlot, ModelState
+from router.lifecycle.transitions import (
+    EXIT_ENGINE_FAILED,
+    EXIT_STARTUP_FAILED,
+    ModelLoadFailed,
+    Transitions,
+)
 from router.observability.records import Observers, current_record
 from router.sampling import SamplingDefaults
 from router.supervisor import EngineProcess
@@ -37,24 +41,11 @@ from router.text.model_text import ModelText
 log = logging.getLogger(__name__)
 
 S = ModelState
-# Exit statuses of a single-model server, for its supervisor (systemd).
-EXIT_STARTUP_FAILED = 1
-EXIT_ENGINE_FAILED = 2
-# An engine that reported EngineDead exits by itself; its status is worth waiting for.
-FAILED_ENGINE_GRACE_SECONDS = 5.0
+
+__all__ = ["EXIT_ENGINE_FAILED", "EXIT_STARTUP_FAILED", "ModelLoadFailed", "ModelManager"]
 
 
-class ModelLoadFailed(Exception):
-    pass
-
-
-@dataclass(eq=False)
-class _RoomWaiter:
-    slot: ModelSlot
-    granted: asyncio.Future[None]
-
-
-class ModelManager:
+class ModelManager(RoomKeeping, Transitions):
     def __init__(self, catalog: Catalog, config: ServeConfig, events: ModelEvents | None = None):
         self.config = config
         self.catalog = catalog
@@ -68,7 +59,7 @@ class ModelManager:
         self.ready_once = False
         # Set when a single-model server must exit: the status to exit with.
         self.fatal: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters: list[_RoomWaiter] = []
+        self._waiters: list[RoomWaiter] = []
         self._pumping = False
         self._pump_again = False
         self._change = asyncio.Event()
@@ -256,88 +247,6 @@ class ModelManager:
         else:
             await self._wait_change()
 
-    # ---- room under --models-max -------------------------------------------------
-
-    async def _wait_for_room(self, slot: ModelSlot, deadline: float) -> None:
-        """Queue (in arrival order) until the model can load or wake; its
-        transition has started when this returns."""
-        waiter = _RoomWaiter(slot, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        self._pump()
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter.granted), max(deadline - time.monotonic(), 0))
-        except TimeoutError:
-            limit = self.config.models_max
-            raise ApiError(
-                503, f"every model slot is busy (--models-max {limit}); waited "
-                f"{self.config.pending_timeout_ms} ms for one", code="models_busy",
-                headers={"Retry-After": "1"},
-            ) from None
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-                # A waiter that leaves may unblock the ones behind it.
-                self._pump()
-
-    def _pump(self) -> None:
-        """Grant room to waiters in order, evicting idle models as needed.
-
-        State changes inside call back into _pump; those calls are folded
-        into another round of the outer one.
-        """
-        if self._pumping:
-            self._pump_again = True
-            return
-        self._pumping = True
-        try:
-            self._pump_again = True
-            while self._pump_again:
-                self._pump_again = False
-                self._pump_round()
-        finally:
-            self._pumping = False
-
-    def _pump_round(self) -> None:
-        limit = self.config.models_max
-        for waiter in list(self._waiters):
-            if waiter.granted.done() or waiter.slot.state in (S.LOADED, S.LOADING, S.WAKING):
-                self._grant(waiter)
-        while self._waiters:
-            waiter = self._waiters[0]
-            slot = waiter.slot
-            if slot.state not in (S.UNLOADED, S.SLEEPING):
-                return  # it is settling (SUSPENDING, UNLOADING); asked again when done
-            if not limit or sum(s.state.holds_device for s in self.slots.values()) < limit:
-                if slot.state is S.SLEEPING:
-                    self._start(slot, S.WAKING, self._wake(slot))
-                else:
-                    self._start(slot, S.LOADING, self._load(slot))
-                self._grant(waiter)
-                continue
-            if any(s.state in (S.SUSPENDING, S.UNLOADING) for s in self.slots.values()):
-                return  # an eviction is under way
-            idle = [s for s in self.slots.values()
-                    if s.state is S.LOADED and s.in_flight == 0 and s.pending == 0]
-            if idle:
-                self._evict(min(idle, key=lambda s: s.last_used))
-            return
-
-    def _grant(self, waiter: _RoomWaiter) -> None:
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
-        if not waiter.granted.done():
-            waiter.granted.set_result(None)
-
-    def _evict(self, slot: ModelSlot) -> None:
-        limit = self.config.models_max
-        if slot.entry.settings.model_suspend:
-            log.info("putting %s to sleep (least recently used) to make room (--models-max %d)",
-                     slot.id, limit)
-            self._start(slot, S.SUSPENDING, self._sleep(slot))
-        else:
-            log.info("unloading %s (least recently used) to make room (--models-max %d)", slot.id, limit)
-            self._start(slot, S.UNLOADING, self._unload(slot, "the model was unloaded to make room"))
-
     # ---- transitions -----------------------------------------------------------------
 
     def _start(self, slot: ModelSlot, state: ModelState, work: Coroutine[Any, Any, None]) -> None:
@@ -351,119 +260,6 @@ class ModelManager:
         # Retrieve the exception: waiters re-raise it, nobody may be waiting.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
-
-    async def _load(self, slot: ModelSlot) -> None:
-        slot.failed, slot.error, slot.exit_code, slot.progress = False, None, None, 0.0
-        self._serial += 1
-        engine = EngineProcess(slot.entry, self.run_dir, self._serial)
-        slot.engine = engine
-
-        def on_progress(event: LoadProgress) -> None:
-            slot.progress = event.fraction
-            self.events.publish(slot.id, "model_status", {
-                "status": "loading",
-                "progress": {"stages": ["weights"], "current": "weights", "value": round(event.fraction, 4)},
-            })
-
-        started = time.monotonic()
-        try:
-            ready = await engine.start(slot.entry.settings.load_timeout, on_progress)
-        except Exception as exc:
-            await engine.kill(grace=FAILED_ENGINE_GRACE_SECONDS)
-            self._fail(slot, engine, str(exc))
-            self._exit_if_single(EXIT_ENGINE_FAILED if self.ready_once else EXIT_STARTUP_FAILED)
-            raise ModelLoadFailed(str(exc)) from exc
-        slot.ready = ready
-        slot.progress = 1.0
-        slot.last_used = time.monotonic()
-        log.info("model %s loaded in %.1fs (pid %d, context %d, %d KV pages)",
-                 slot.id, ready.load_seconds, ready.pid, ready.kv.max_context, ready.kv.num_pages)
-        self.ready_once = True
-        self.observers.model_event(slot.id, "load", time.monotonic() - started)
-        self._set_state(slot, S.LOADED, {"info": {
-            "pid": ready.pid, "load_seconds": round(ready.load_seconds, 3),
-            "n_ctx": ready.kv.max_context, "device": ready.model.device,
-        }})
-        self._spawn(self._watch(slot, engine), f"watch-{slot.id}")
-
-    async def _wake(self, slot: ModelSlot) -> None:
-        engine = slot.engine
-        assert engine is not None
-        started = time.monotonic()
-        try:
-            awake = await asyncio.wait_for(engine.client.wake(), slot.entry.settings.load_timeout)
-        except (EngineFailure, TimeoutError) as exc:
-            reason = str(exc) or "the engine did not wake in time"
-            await engine.kill()
-            self._fail(slot, engine, reason)
-            self._exit_if_single(EXIT_ENGINE_FAILED)
-            raise ModelLoadFailed(reason) from exc
-        slot.last_used = time.monotonic()
-        log.info("model %s woke in %.2fs", slot.id, awake.seconds)
-        self.observers.model_event(slot.id, "wake", time.monotonic() - started)
-        self._set_state(slot, S.LOADED)
-
-    async def _sleep(self, slot: ModelSlot) -> None:
-        engine = slot.engine
-        assert engine is not None
-        weights = slot.entry.settings.suspend_weights
-        started = time.monotonic()
-        try:
-            slept = await engine.client.sleep(weights)
-        except EngineFailure:
-            return  # the engine died; _watch marks the model failed
-        log.info("model %s asleep in %.2fs (weights: %s, %d KV pages kept, %d device bytes still held)",
-                 slot.id, slept.seconds, weights, slept.kept_pages, slept.device_bytes)
-        self.observers.model_event(slot.id, "sleep", time.monotonic() - started)
-        if slot.engine is engine:
-            self._set_state(slot, S.SLEEPING)
-
-    async def _unload(self, slot: ModelSlot, reason: str) -> None:
-        # Requests in flight finish first; new ones wait for the unload and
-        # then load the model again.
-        while slot.in_flight:
-            await self._wait_change()
-        engine = slot.engine
-        started = time.monotonic()
-        slot.retire_engine_counters()
-        if engine is not None:
-            await engine.stop(reason)
-        self.observers.model_event(slot.id, "unload", time.monotonic() - started)
-        slot.engine = None
-        slot.ready = None
-        self._set_state(slot, S.UNLOADED)
-
-    async def _watch(self, slot: ModelSlot, engine: EngineProcess) -> None:
-        """One monitor per engine: one that dies on its own fails its requests
-        (EngineClient.fail_all) and leaves the model UNLOADED and failed."""
-        dead = asyncio.ensure_future(asyncio.shield(engine.client.dead))
-        await asyncio.wait({dead, engine.exited}, return_when=asyncio.FIRST_COMPLETED)
-        dead.cancel()
-        if engine.stopping or slot.engine is not engine:
-            return
-        reason = engine.client.dead.result() if engine.client.dead.done() else (
-            f"engine process exited with status {engine.exited.result()}")
-        log.error("model %s: engine (pid %s) failed: %s", slot.id, engine.pid, reason)
-        await engine.kill(grace=FAILED_ENGINE_GRACE_SECONDS)
-        self._fail(slot, engine, reason)
-        self._exit_if_single(EXIT_ENGINE_FAILED)
-
-    def _fail(self, slot: ModelSlot, engine: EngineProcess, reason: str) -> None:
-        if slot.engine is not engine:
-            return
-        slot.retire_engine_counters()
-        slot.engine = None
-        slot.ready = None
-        slot.failed = True
-        slot.error = reason
-        slot.exit_code = engine.exited.result() if engine.exited.done() else None
-        log.error("model %s failed: %s", slot.id, reason)
-        self.observers.model_event(slot.id, "fail", 0.0)
-        self._set_state(slot, S.UNLOADED)
-
-    def _exit_if_single(self, status: int) -> None:
-        if self.single and not self.shutting_down and not self.fatal.done():
-            self.fatal.set_result(status)
 
     # ---- state changes ---------------------------------------------------------------
 

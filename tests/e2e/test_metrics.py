@@ -13,26 +13,13 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.lifecycle_support import complete, held_stream, pid
+from tests.support.llamacpp_series import LLAMACPP_TYPES
 from tests.support.server import Server, running_server, wait_until
 
 pytestmark = pytest.mark.slow
 
 MODELS = ("qwen3-tiny", "qwen2-tiny")
 
-LLAMACPP_TYPES = {
-    "llamacpp:prompt_tokens_total": "counter",
-    "llamacpp:prompt_seconds_total": "counter",
-    "llamacpp:tokens_predicted_total": "counter",
-    "llamacpp:tokens_predicted_seconds_total": "counter",
-    "llamacpp:prompt_tokens_seconds": "gauge",
-    "llamacpp:predicted_tokens_seconds": "gauge",
-    "llamacpp:n_decode_total": "counter",
-    "llamacpp:n_busy_slots_per_decode": "gauge",
-    "llamacpp:kv_cache_usage_ratio": "gauge",
-    "llamacpp:kv_cache_tokens": "gauge",
-    "llamacpp:requests_processing": "gauge",
-    "llamacpp:requests_deferred": "gauge",
-}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from protocol import Awake, EngineStats, KvFacts, ModelFacts, Ready, Slept
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
-from router.lifecycle import manager as manager_module
+from router.lifecycle import transitions as transitions_module
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelState
 
@@ -72,7 +72,7 @@ class FakeEngine:
 @pytest.fixture(autouse=True)
 def fake_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeEngine.log = []
-    monkeypatch.setattr(manager_module, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(transitions_module, "EngineProcess", FakeEngine)
 
 
 def catalog(*names: str) -> Catalog:

@@ -15,26 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol import PROTOCOL_VERSION, EngineStats, KvFacts, ModelFacts, Ready
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
-from router.lifecycle import manager as manager_module
+from router.lifecycle import transitions as transitions_module
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelSlot, ModelState
 from router.observability.metrics import ServerMetrics
 from router.observability.records import RequestRecord
-
-LLAMACPP_TYPES = {
-    "llamacpp:prompt_tokens_total": "counter",
-    "llamacpp:prompt_seconds_total": "counter",
-    "llamacpp:tokens_predicted_total": "counter",
-    "llamacpp:tokens_predicted_seconds_total": "counter",
-    "llamacpp:prompt_tokens_seconds": "gauge",
-    "llamacpp:predicted_tokens_seconds": "gauge",
-    "llamacpp:n_decode_total": "counter",
-    "llamacpp:n_busy_slots_per_decode": "gauge",
-    "llamacpp:kv_cache_usage_ratio": "gauge",
-    "llamacpp:kv_cache_tokens": "gauge",
-    "llamacpp:requests_processing": "gauge",
-    "llamacpp:requests_deferred": "gauge",
-}
+from tests.support.llamacpp_series import LLAMACPP_TYPES
 
 
 class FakeClient:
@@ -82,7 +68,7 @@ class FakeEngine:
 @pytest.fixture(autouse=True)
 def fake_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeEngine.started = []
-    monkeypatch.setattr(manager_module, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(transitions_module, "EngineProcess", FakeEngine)
 
 
 def make_manager(*names: str, single: bool = False) -> ModelManager:
