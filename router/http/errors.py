@@ -148,8 +148,10 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except ApiError as error:
         if error.status >= 500:
-            log.warning("%s %s -> %d %s: %s", request.method, request.path, error.status,
-                        error.code, error.message)
+            # Polls during a single model's start-up are expected, not news.
+            level = logging.DEBUG if error.code == "model_loading" else logging.WARNING
+            log.log(level, "%s %s -> %d %s: %s", request.method, request.path, error.status,
+                    error.code, error.message)
         return _render(request, error, shape)
     except web.HTTPException as exc:
         if exc.status < 400:
