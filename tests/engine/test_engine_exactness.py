@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import protocol as p
-from engine.bootstrap import build_engine
 from engine.core import EngineCore
+from tests.engine import in_process
+from tests.engine.in_process import SMALL_STEPS, run_to_completion
 
 # Two cores shared with other processes: one torch thread is faster and steadier.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,26 +25,14 @@ NEW_TOKENS = 20
 
 
 def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.EngineEvent]]:
-    events: list[p.EngineEvent] = []
     # A small step budget and page size force chunked prefill across pages.
-    settings: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,
-                                   "kv_capacity_tokens": 4096}
-    settings.update(overrides)
-    options = p.EngineOptions(**settings)  # type: ignore[arg-type]
-    core, _ = build_engine(model, options, lambda fraction, message: None, events.append)
-    return core, events
+    return in_process.make_engine(model, **{**SMALL_STEPS, **overrides})
 
 
 def run(core: EngineCore, events: list[p.EngineEvent],
         requests: dict[str, tuple[list[int], p.SamplingParams]]) -> dict[str, list[int]]:
-    events.clear()
-    for request_id, (prompt, params) in requests.items():
-        core.handle(p.Generate(request_id, prompt, params))
-    while core.scheduler.has_work():
-        core.step()
-        core.scheduler.check_invariants()
     tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
-    for event in events:
+    for event in run_to_completion(core, events, requests):
         assert isinstance(event, p.StepOutputs), event
         for output in event.outputs:
             tokens[output.request_id].extend(output.token_ids)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import protocol as p
-from engine.bootstrap import build_engine
 from engine.core import EngineCore
 from engine.grammar import EngineGrammar
 from engine.sequence import Sequence
@@ -26,6 +25,8 @@ from engine.token_mask import apply_on_host
 from router.text.grammar_vocab import detect_vocab_type, grammar_vocab
 from router.text.model_text import ModelText
 from router.text.tokenizer import Tokenizer
+from tests.engine import in_process
+from tests.engine.in_process import SMALL_STEPS, run_to_completion
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -69,26 +70,14 @@ class Result:
 
 
 def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.EngineEvent]]:
-    events: list[p.EngineEvent] = []
     # Small chunks and pages: prompts span several prefill steps.
-    settings: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,
-                                   "kv_capacity_tokens": 4096}
-    settings.update(overrides)
-    core, _ = build_engine(model, p.EngineOptions(**settings),  # type: ignore[arg-type]
-                           lambda fraction, message: None, events.append)
-    return core, events
+    return in_process.make_engine(model, **{**SMALL_STEPS, **overrides})
 
 
 def run(core: EngineCore, events: list[p.EngineEvent],
         requests: dict[str, tuple[list[int], p.SamplingParams]]) -> dict[str, Result]:
-    events.clear()
-    for request_id, (prompt, params) in requests.items():
-        core.handle(p.Generate(request_id, prompt, params))
-    while core.scheduler.has_work():
-        core.step()
-        core.scheduler.check_invariants()
     results = {request_id: Result() for request_id in requests}
-    for event in events:
+    for event in run_to_completion(core, events, requests):
         if isinstance(event, p.RequestError):
             results[event.request_id].error = event
             continue

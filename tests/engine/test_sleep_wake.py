@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import protocol as p
-from engine.bootstrap import build_engine
 from engine.core import EngineCore
 from engine.device_state import WeightStash, model_tensors
+from tests.engine import in_process
+from tests.engine.in_process import run_to_completion, step_outputs
 
 # Two cores shared with other processes: one torch thread is faster and steadier.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -26,11 +27,8 @@ PAGE = 8
 
 
 def make_engine(model: Path) -> tuple[EngineCore, list[p.EngineEvent]]:
-    events: list[p.EngineEvent] = []
-    options = p.EngineOptions(page_size=PAGE, max_batched_tokens=64, max_concurrency=4,
-                              kv_capacity_tokens=512)
-    core, _ = build_engine(model, options, lambda fraction, message: None, events.append)
-    return core, events
+    return in_process.make_engine(model, page_size=PAGE, max_batched_tokens=64, max_concurrency=4,
+                                  kv_capacity_tokens=512)
 
 
 def prompt(seed: int, length: int = 37) -> list[int]:
@@ -45,12 +43,7 @@ def greedy(max_tokens: int = 8) -> p.SamplingParams:
 def run(core: EngineCore, events: list[p.EngineEvent], request_id: str,
         tokens: list[int]) -> tuple[list[int], int]:
     """(generated tokens, prompt tokens served from the prefix cache)."""
-    events.clear()
-    core.handle(p.Generate(request_id, tokens, greedy()))
-    while core.scheduler.has_work():
-        core.step()
-    core.scheduler.check_invariants()
-    outputs = [o for e in events if isinstance(e, p.StepOutputs) for o in e.outputs]
+    outputs = step_outputs(run_to_completion(core, events, {request_id: (tokens, greedy())}))
     assert outputs and all(o.request_id == request_id for o in outputs), events
     return [t for o in outputs for t in o.token_ids], outputs[-1].num_cached_tokens
 

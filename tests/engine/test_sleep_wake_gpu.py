@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import protocol as p
-from engine.bootstrap import build_engine
 from engine.core import EngineCore
 from engine.device_state import DroppedWeights, model_tensors
+from tests.engine import in_process
+from tests.engine.in_process import run_to_completion, step_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -41,22 +42,15 @@ def qwen3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model: Path) -> tuple[EngineCore, list[p.EngineEvent]]:
-    events: list[p.EngineEvent] = []
-    options = p.EngineOptions(device="cuda", dtype="bfloat16", page_size=16, max_concurrency=4,
-                              max_batched_tokens=256, kv_capacity_tokens=KV_TOKENS)
-    core, _ = build_engine(model, options, lambda fraction, message: None, events.append)
-    return core, events
+    return in_process.make_engine(model, device="cuda", dtype="bfloat16", page_size=16, max_concurrency=4,
+                                  max_batched_tokens=256, kv_capacity_tokens=KV_TOKENS)
 
 
 def run(core: EngineCore, events: list[p.EngineEvent], request_id: str,
         tokens: list[int]) -> tuple[list[int], int]:
     """(generated tokens, prompt tokens served from the prefix cache)."""
-    events.clear()
     params = p.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    core.handle(p.Generate(request_id, tokens, params))
-    while core.scheduler.has_work():
-        core.step()
-    outputs = [o for e in events if isinstance(e, p.StepOutputs) for o in e.outputs]
+    outputs = step_outputs(run_to_completion(core, events, {request_id: (tokens, params)}))
     return [t for o in outputs for t in o.token_ids], outputs[-1].num_cached_tokens
 
 

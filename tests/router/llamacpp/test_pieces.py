@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
-
-import pytest
 
 from router.llamacpp.pieces import pieces_for
 from router.text.model_text import ModelText
-
-
-@pytest.fixture(scope="module")
-def smollm2_text(smollm2_gguf: Path) -> ModelText:
-    return ModelText.load(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def qwen3_text(qwen3_tokenizer_dir: Path) -> ModelText:
-    return ModelText.load(qwen3_tokenizer_dir)
 
 
 def test_pieces_are_text_or_bytes(smollm2_text: ModelText, qwen3_text: ModelText) -> None:

@@ -1,4 +1,4 @@
-"""Reference tokenizers and synthetic GGUF files for the router.text tests (built once per session)."""
+"""Reference tokenizers (transformers') and synthetic GGUF files for the router.text tests (built once per session)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
-from router.text import ModelText
-
-
-@pytest.fixture(scope="session")
-def smollm2_text(smollm2_gguf: Path) -> ModelText:
-    return ModelText.load(smollm2_gguf)
-
-
-@pytest.fixture(scope="session")
-def qwen3_text(qwen3_tokenizer_dir: Path) -> ModelText:
-    return ModelText.load(qwen3_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
