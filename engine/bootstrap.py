@@ -10,11 +10,13 @@ from pathlib import Path
 import torch
 
 from engine.core import EngineCore
+from engine.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_manager import KVManager
 from engine.kv_sizing import plan_kv
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
+from engine.model_ops import CudaOps, kernels_usable
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -31,6 +33,14 @@ def resolve_dtype(config: EngineOptions) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def _device(config: EngineOptions) -> torch.device:
+    """The engine's device with an explicit index ("cuda" is the current GPU)."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def build_engine(
     model_path: Path,
     config: EngineOptions,
@@ -39,12 +49,51 @@ def build_engine(
 ) -> tuple[EngineCore, Ready]:
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = torch.device(config.device)
+    device = _device(config)
+    if device.type == "cuda":
+        # Our kernels and torch's launch on the current device's stream.
+        torch.cuda.set_device(device)
     dtype = resolve_dtype(config)
     loaded = load_model(model_path, device, dtype, progress)
+    return assemble_engine(loaded, model_path, config, progress, emit)
+
+
+def assemble_engine(
+    loaded: LoadedModel,
+    model_path: Path,
+    config: EngineOptions,
+    progress: Callable[[float, str], None],
+    emit: Callable[[EngineEvent], None],
+) -> tuple[EngineCore, Ready]:
+    """Everything after the weights: KV sizing, runner, graphs, scheduler.
+    model_path names the checkpoint (a wake after Sleep(weights="disk") reads
+    it again; its mtime is part of the prefix cache's fingerprint)."""
+    device = _device(config)
+    dtype = resolve_dtype(config)
     model = loaded.config
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+    use_kernels = kernels_usable(device, dtype, model)
+    if device.type == "cuda" and not use_kernels:
+        log.warning("our CUDA kernels need bfloat16 and head size 64 or 128 (got %s, %d): "
+                    "running the torch reference ops, without CUDA graphs", dtype, model.head_dim)
+    sampler = Sampler(device, config.seed, use_kernel=use_kernels)
+    served_context = config.max_context or model.max_position_embeddings
+    runner = ModelRunner(
+        loaded, model_path=model_path, device=device, dtype=dtype, num_pages=0,
+        page_size=config.page_size, sampler=sampler, use_kernels=use_kernels,
+        max_batch=config.max_concurrency, max_context=served_context,
+        cuda_graph=config.cuda_graph,
+    )
+    budget = None
+    if device.type == "cuda":
+        progress(1.0, "measuring the largest step's memory")
+        peaks = profile_step_peaks(
+            runner.model, sampler, max_batched_tokens=config.max_batched_tokens,
+            max_batch=config.max_concurrency, page_size=config.page_size, device=device,
+        )
+        budget = kv_budget_bytes(peaks, config.kv_headroom_mib * 2**20, device,
+                                 runner.cuda_graph)
     plan = plan_kv(
         page_size=config.page_size,
         bytes_per_token=bytes_per_token,
@@ -52,17 +101,20 @@ def build_engine(
         requested_context=config.max_context,
         requested_capacity=config.kv_capacity_tokens,
         max_concurrency=config.max_concurrency,
+        device_budget_bytes=budget,
     )
     log.info(
         "KV pool: %d pages of %d tokens (%d tokens, %.1f MiB, %s), context %d, %d lanes",
         plan.num_pages, plan.page_size, plan.capacity_tokens, plan.total_bytes / 2**20,
         dtype, plan.max_context, config.max_concurrency,
     )
-    sampler = Sampler(device, config.seed)
-    runner = ModelRunner(
-        loaded, model_path=model_path, device=device, dtype=dtype, num_pages=plan.num_pages,
-        page_size=plan.page_size, sampler=sampler,
-    )
+    runner.allocate_kv(plan.num_pages)
+    runner.max_context = plan.max_context
+    if device.type == "cuda":
+        progress(1.0, "capturing CUDA graphs" if runner.cuda_graph else "KV pool allocated")
+        runner.capture_graphs()
+        _log_ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
+                    config.kv_headroom_mib * 2**20, loaded_weights_bytes(runner))
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
@@ -103,3 +155,35 @@ def build_engine(
         load_seconds=0.0,
     )
     return core, ready
+
+
+def loaded_weights_bytes(runner: ModelRunner) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*runner.model.parameters(), *runner.model.buffers()]:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _log_ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
+                kv_tokens: int, headroom_bytes: int, weights_bytes: int) -> None:
+    device = runner.device
+    free, total = torch.cuda.mem_get_info(device)
+    ops = runner.model.ops
+    graphs = runner.graphs
+    ledger = MemoryLedger(
+        total_bytes=total,
+        weights_bytes=weights_bytes,
+        kv_bytes=kv_bytes,
+        kv_pages=kv_pages,
+        kv_tokens=kv_tokens,
+        activation_bytes=peaks.activation_bytes,
+        workspace_bytes=ops.workspace_bytes() if isinstance(ops, CudaOps) else 0,
+        graph_bytes=graphs.pool_bytes if graphs is not None else 0,
+        graph_count=len(graphs.batch_sizes) * len(graphs.buckets) if graphs is not None else 0,
+        headroom_bytes=headroom_bytes,
+        free_bytes=free,
+    )
+    log.info("%s", ledger.describe())

@@ -39,15 +39,22 @@ def plan_kv(
     requested_context: int,
     requested_capacity: int,
     max_concurrency: int,
+    device_budget_bytes: int | None = None,
 ) -> KvPlan:
-    """Size the pool: an explicit capacity wins; otherwise every lane gets the
-    full context when memory allows, and never less than one full context."""
+    """Size the pool. On the CPU: an explicit capacity wins; otherwise every
+    lane gets the full context when memory allows, and never less than one
+    full context. On a GPU (device_budget_bytes given: what the device can
+    spare, engine/gpu_memory.py): an explicit capacity must fit in it, and
+    automatic sizing takes all of it."""
     if requested_context > trained_context:
         raise ValueError(
             f"--max-context {requested_context} is beyond the model's trained context of "
             f"{trained_context} tokens; positions past it have no rotary table"
         )
     max_context = requested_context or trained_context
+    if device_budget_bytes is not None:
+        return _plan_on_device(page_size, bytes_per_token, max_context, requested_capacity,
+                               device_budget_bytes)
     if requested_capacity:
         capacity = requested_capacity
         if capacity < max_context:
@@ -61,4 +68,33 @@ def plan_kv(
         fits = int(budget // bytes_per_token)
         capacity = max(max_context, min(fits, max_concurrency * max_context))
     num_pages = -(-capacity // page_size)
+    return KvPlan(num_pages, page_size, max_context, bytes_per_token)
+
+
+def _plan_on_device(page_size: int, bytes_per_token: int, max_context: int,
+                    requested_capacity: int, budget_bytes: int) -> KvPlan:
+    fits_pages = max(budget_bytes, 0) // (bytes_per_token * page_size)
+    if requested_capacity:
+        num_pages = -(-requested_capacity // page_size)
+        if num_pages > fits_pages:
+            raise ValueError(
+                f"--kv-capacity {requested_capacity} tokens needs "
+                f"{num_pages * page_size * bytes_per_token / 2**30:.2f} GiB of device memory, but "
+                f"only {max(budget_bytes, 0) / 2**30:.2f} GiB is left after the weights, the "
+                f"largest step's activations, the CUDA graphs and the headroom: lower "
+                f"--kv-capacity, --max-batched-tokens or --kv-headroom-mib, or use auto"
+            )
+    else:
+        num_pages = fits_pages
+    if num_pages < 1:
+        raise ValueError(
+            f"no device memory is left for the KV cache ({budget_bytes / 2**20:.0f} MiB after "
+            "the weights, activations, CUDA graphs and headroom): use a GPU with more free "
+            "memory, a smaller model, a lower --max-batched-tokens or --kv-headroom-mib"
+        )
+    capacity = num_pages * page_size
+    if capacity < max_context:
+        log.warning("the KV pool holds %d tokens, less than the context %d: serving a context "
+                    "of %d", capacity, max_context, capacity)
+        max_context = capacity
     return KvPlan(num_pages, page_size, max_context, bytes_per_token)

@@ -1,8 +1,12 @@
 """Runs one scheduled step on the model: builds the flat batch, runs the
 forward pass over the paged KV cache, and samples the rows that need a token.
 
-The runner owns the engine's device state (weights, KV tensors, and later CUDA
-graphs), so putting it to sleep and waking it are its job too.
+The runner owns the engine's device state (weights, KV tensors, the decode
+workspace and CUDA graphs), so putting it to sleep and waking it are its job too.
+
+On a GPU in bf16 the model runs our kernels (engine/model_ops.py) and decode
+steps replay CUDA graphs (engine/cuda_graphs.py); steps with prompt chunks,
+and decode batches above the largest captured size, run eagerly.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.device_state import (
     DroppedWeights,
     KVCache,
@@ -25,9 +29,11 @@ from engine.device_state import (
     release_device_memory,
 )
 from engine.loader import LoadedModel, load_model
+from engine.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps
 from engine.models import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.token_mask import TokenMask
 
 
@@ -49,7 +55,15 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         sampler: Sampler,
+        use_kernels: bool = False,
+        max_batch: int = 0,
+        max_context: int = 0,
+        cuda_graph: bool = False,
     ):
+        """use_kernels: run our CUDA kernels (bf16 on a GPU); max_batch and
+        max_context size their decode workspace and graphs. cuda_graph: capture
+        decode graphs (needs use_kernels) — capture_graphs() does it, after the
+        KV pool exists. num_pages 0 defers the KV pool to allocate_kv()."""
         self.model = loaded.model
         self.config = loaded.config
         # Where a wake after Sleep(weights="disk") reads the weights again.
@@ -60,8 +74,35 @@ class ModelRunner:
         self.num_pages = num_pages
         self.page_size = page_size
         self.sampler = sampler
-        self.kv_caches = self._allocate_kv()
+        self.use_kernels = use_kernels
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.cuda_graph = cuda_graph and use_kernels
+        self._inputs = DeviceInputs(device)
+        self.model.ops = self._make_ops()
+        self.kv_caches = self._allocate_kv() if num_pages else []
+        self.graphs: DecodeGraphs | None = None
         self._sleeping: _Sleeping | None = None
+
+    def _make_ops(self) -> ReferenceOps:
+        if not self.use_kernels:
+            return REFERENCE_OPS
+        return CudaOps(self.config, self.device, self.max_batch, self.max_context)
+
+    def allocate_kv(self, num_pages: int) -> None:
+        """Create the KV pool (after automatic sizing has chosen num_pages)."""
+        self.num_pages = num_pages
+        self.kv_caches = self._allocate_kv()
+
+    def capture_graphs(self) -> float:
+        """Capture the decode graphs if enabled; returns the seconds taken."""
+        if not self.cuda_graph:
+            return 0.0
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_batch=self.max_batch, max_context=self.max_context,
+            page_size=self.page_size, device=self.device,
+        )
+        return self.graphs.capture()
 
     def _allocate_kv(self) -> list[KVCache]:
         shape = (self.num_pages, self.page_size, self.config.num_kv_heads, self.config.head_dim)
@@ -90,6 +131,11 @@ class ModelRunner:
         if self._sleeping is not None:
             raise RuntimeError("the model runner is already asleep")
         pin = self.device.type == "cuda"
+        if self.graphs is not None:
+            # Graphs hold the addresses of what is about to be freed.
+            self.graphs.release()
+            self.graphs = None
+        self.model.ops = REFERENCE_OPS  # drops the decode workspace
         kv = KVPageStash(self.kv_caches, keep_pages, pin=pin)
         self.kv_caches = []
         stash: WeightStash | DroppedWeights | None
@@ -116,9 +162,10 @@ class ModelRunner:
             sleeping.weights.put_back(self.model, self.device)
         self.kv_caches = self._allocate_kv()
         sleeping.kv.put_back(self.kv_caches)
+        self.model.ops = self._make_ops()
         self._sleeping = None
-        # NOTE: CUDA graphs captured before a sleep point at freed memory (the
-        # weights and KV tensors were reallocated): recapture them here.
+        # The graphs captured before the sleep pointed at freed memory.
+        self.capture_graphs()
 
     def _reload_model(self) -> CausalLM:
         # The kept KV pages (and the prefix-cache fingerprint) belong to the
@@ -139,50 +186,19 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, mask: TokenMask | None = None) -> list[int]:
         """Returns one sampled token per chunk whose `samples` is true, in order;
         mask (grammar rows) is indexed by those sampled rows."""
-        ps = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs = []
-        max_pages = max(len(chunk.seq.block_table) for chunk in out.chunks)
-        block_tables = torch.zeros((len(out.chunks), max_pages), dtype=torch.int32)
-        for row, chunk in enumerate(out.chunks):
-            seq = chunk.seq
-            end = chunk.start + chunk.num_tokens
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[chunk.start : end])
-            span = range(chunk.start, end)
-            positions.extend(span)
-            slots.extend(table[p // ps] * ps + p % ps for p in span)
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            seq_lens.append(end)
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            if chunk.samples:
-                sample_rows.append(query_start[-1] - 1)
-                sample_seqs.append(seq)
-
-        device = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(c.num_tokens for c in out.chunks),
-            max_seq_len=max(seq_lens),
-            query_start_loc_host=tuple(query_start),
-            seq_lens_host=tuple(seq_lens),
-        )
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            self.kv_caches,
-        )
-        if not sample_rows:
+        inputs = build_step_inputs(out, self.page_size)
+        hidden = self._forward(inputs)
+        if not inputs.sample_rows:
             return []
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return self.sampler.sample(logits, sample_seqs, mask)
+        if len(inputs.sample_rows) < inputs.num_tokens:
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64).to(self.device,
+                                                                           non_blocking=True)
+            hidden = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(hidden)
+        return self.sampler.sample(logits, inputs.sample_seqs, mask)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.handles(inputs):
+            return self.graphs.run(inputs)
+        input_ids, positions, meta = self._inputs.metadata(inputs)
+        return self.model.forward(input_ids, positions, meta, self.kv_caches)

@@ -5,6 +5,12 @@ engine/grammar.py). Greedy rows take the argmax. Sampled rows apply
 penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
 batch, and draw from what is left. A request with a seed draws from its own
 generator, so its tokens do not depend on which other requests share the batch.
+
+On CUDA with our kernels (use_kernel), the truncation and the draw run in one
+kernel for the whole batch (kernels/sampling.py): each row draws from a
+counter-based random stream keyed by the request's seed and its count of
+output tokens, so again a request's tokens do not depend on its batch. A
+request without a seed gets one from the engine's seeded generator.
 """
 
 from __future__ import annotations
@@ -21,14 +27,29 @@ if TYPE_CHECKING:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, use_kernel: bool = False):
         self.device = device
+        self.use_kernel = use_kernel
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        # The kernel path: unseeded requests' seeds come from here.
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._kernel_seeds: dict[str, int] = {}
 
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
+        self._kernel_seeds.pop(request_id, None)
+
+    def _kernel_seed(self, seq: Sequence) -> int:
+        if seq.params.seed is not None:
+            # The kernel takes a signed 64-bit seed; keep the same bits.
+            return seq.params.seed - (1 << 64) if seq.params.seed >= 1 << 63 else seq.params.seed
+        seed = self._kernel_seeds.get(seq.request_id)
+        if seed is None:
+            seed = int(torch.randint(-(2**62), 2**62, (), generator=self._seed_source))
+            self._kernel_seeds[seq.request_id] = seed
+        return seed
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
@@ -47,6 +68,8 @@ class Sampler:
         if mask is not None:
             mask.apply(logits)
         self._apply_penalties(logits, seqs)
+        if self.use_kernel and not all(seq.params.greedy for seq in seqs):
+            return self._sample_with_kernel(logits, seqs).tolist()
         result = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
@@ -54,6 +77,21 @@ class Sampler:
             chosen = self._draw(logits.index_select(0, rows), [seqs[i] for i in sampled_rows])
             result.index_copy_(0, rows, chosen)
         return result.tolist()
+
+    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        from kernels.sampling import sample_tokens
+
+        params = [seq.params for seq in seqs]
+        # A greedy row is a row with temperature 0: the kernel takes its argmax.
+        host = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p]
+                             for p in params], dtype=torch.float32)
+        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens]
+                             for p, seq in zip(params, seqs, strict=True)], dtype=torch.int64)
+        device = logits.device
+        floats = host.to(device, non_blocking=True).T.contiguous()
+        ints = ints.to(device, non_blocking=True).T.contiguous()
+        return sample_tokens(logits.contiguous(), floats[0], ints[0].to(torch.int32).contiguous(),
+                             floats[1], floats[2], ints[1], ints[2])
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         for row, seq in enumerate(seqs):

@@ -222,3 +222,158 @@ def _causal_mask(
     query_pos = torch.arange(offset, seq_len, device=device)[:, None]
     key_pos = torch.arange(seq_len, device=device)[None, :]
     return key_pos <= query_pos, False
+
+
+# ---------------------------------------------------------------------------
+# Sampling: the semantics kernels/sampling.py's sample_tokens implements.
+#
+# Per row, with z = logits / temperature (float32) and p = softmax(z):
+#   top-k (top_k > 0 and < V): keep z >= the k-th largest z;
+#   top-p (top_p < 1):         keep z when the mass of the tokens strictly more likely
+#                              than it, sum(p[z' > z]), is < top_p;
+#   min-p (min_p > 0):         keep exp(z - max z) >= min_p (p >= min_p * max p);
+# the tokens equal to the maximum always survive and -inf never does. These are value
+# thresholds: for distinct values they are exactly engine/sampler.py's rule over the
+# sorted order (rank < k; mass before the rank < top_p; p >= min_p * p[0]). They differ
+# only at exact ties straddling a cut, where a value threshold keeps the whole tie group
+# (so top-k can keep more than k tokens) while the sorted order cut it somewhere inside.
+# Rows with temperature <= 0 are greedy: the one survivor is torch.argmax's token.
+# ---------------------------------------------------------------------------
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """float32 [N, V] logits / temperature; greedy rows (temperature <= 0) divided by 1."""
+    greedy = ~(temperature > 0)
+    safe = torch.where(greedy, torch.ones_like(temperature), temperature)
+    return logits / safe.unsqueeze(1)
+
+
+def sampling_survivors(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """bool [N, V], True where a token may be drawn, in vocabulary order.
+
+    logits: float32 [N, V] (-inf allowed, at least one finite value per row);
+    temperature: float32 [N]; top_k: int32 [N] (<= 0: off); top_p: float32 [N]
+    (>= 1: off); min_p: float32 [N] (<= 0: off). Semantics in the comment above.
+    """
+    vocab = logits.shape[-1]
+    scaled = _scaled_logits(logits, temperature)
+    top = scaled.max(dim=-1, keepdim=True).values
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    keep = scaled > -math.inf
+
+    k = top_k.long()
+    use_k = (k > 0) & (k < vocab)
+    kth = ordered.gather(1, (k.clamp(1, vocab) - 1).unsqueeze(1))
+    keep &= ~use_k.unsqueeze(1) | (scaled >= kth)
+
+    # Mass strictly above each value: the exclusive cumulative mass at the first
+    # position of the value's tie group in the sorted row.
+    probs = ordered.softmax(dim=-1)
+    exclusive = torch.zeros_like(probs)
+    exclusive[:, 1:] = torch.cumsum(probs, dim=-1)[:, :-1]
+    positions = torch.arange(vocab, device=logits.device).expand_as(ordered)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    group_start = torch.where(starts, positions, 0).cummax(dim=-1).values
+    mass_above = torch.empty_like(probs).scatter_(1, order, exclusive.gather(1, group_start))
+    keep &= (top_p >= 1).unsqueeze(1) | (mass_above < top_p.unsqueeze(1))
+
+    keep &= torch.exp(scaled - top) >= min_p.unsqueeze(1)
+    keep |= scaled == top
+
+    argmax = torch.zeros_like(keep).scatter_(1, logits.argmax(dim=-1, keepdim=True), True)
+    return torch.where((temperature > 0).unsqueeze(1), keep, argmax)
+
+
+def sampling_probabilities(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """float32 [N, V]: softmax(logits / temperature) restricted to the survivors and
+    renormalized (one-hot at the argmax for greedy rows). Arguments as sampling_survivors."""
+    keep = sampling_survivors(logits, temperature, top_k, top_p, min_p)
+    probs = _scaled_logits(logits, temperature).softmax(dim=-1).masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (hi, lo) 32-bit halves of a * b for a 32-bit constant a and int64 tensor b in
+    # [0, 2^32), without overflowing int64: split b into 16-bit halves.
+    low = a * (b & 0xFFFF)
+    high = a * (b >> 16)
+    middle = low + ((high & 0xFFFF) << 16)
+    return (high >> 16) + (middle >> 32), middle & _MASK32
+
+
+def _philox4x32_10(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox-4x32-10 (Salmon et al., SC'11) on int64 tensors holding 32-bit words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _PHILOX_W0) & _MASK32
+        k1 = (k1 + _PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def sampling_gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [N, V]: the Gumbel noise sample_tokens adds to token i of row n.
+
+    seeds, offsets: int64 [N]. Token i uses word (i % 4) of Philox-4x32-10 with key
+    (seed mod 2^32, seed >> 32) and counter (i // 4, 0, offset mod 2^32, offset >> 32);
+    u = (r + 1/2) / 2^32 and G = -log(-log(u)), with -log(u) taken as -log1p(-(1 - u))
+    when u >= 1/2. Equal to the kernel's noise up to the last bits of log/log1p, which
+    differ between libraries; draws agree except at near-ties.
+    """
+    groups = -(-vocab // 4)
+    seed = seeds.long().unsqueeze(1)
+    offset = offsets.long().unsqueeze(1)
+    c0 = torch.arange(groups, device=seeds.device).unsqueeze(0).expand(seeds.shape[0], groups)
+    words = _philox4x32_10(
+        (c0, torch.zeros_like(c0), (offset & _MASK32).expand_as(c0),
+         ((offset >> 32) & _MASK32).expand_as(c0)),
+        (seed & _MASK32, (seed >> 32) & _MASK32),
+    )
+    r = torch.stack(words, dim=-1).flatten(1)[:, :vocab]
+    lower = r < 2**31
+    # float(r) * 2^-32 is exact, so the one rounding of the addition is the kernel's fma.
+    u = torch.where(lower, r, r ^ _MASK32).float() * 2.0**-32 + 2.0**-33
+    exponential = torch.where(lower, -torch.log(u), -torch.log1p(-u))
+    return -torch.log(exponential)
+
+
+def sample_tokens_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """int64 [N]: the tokens sample_tokens draws (the Gumbel-max over the survivors of
+    z + sampling_gumbel_noise; argmax for greedy rows). Arguments as sampling_survivors,
+    seeds and offsets int64 [N]. Memory: a few [N, V] int64 tensors."""
+    keep = sampling_survivors(logits, temperature, top_k, top_p, min_p)
+    noise = sampling_gumbel_noise(seeds, offsets, logits.shape[-1])
+    scores = (_scaled_logits(logits, temperature) + noise).masked_fill(~keep, -math.inf)
+    return torch.where(temperature > 0, scores.argmax(dim=-1), logits.argmax(dim=-1))

@@ -22,6 +22,10 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_context: int = 0
     # KV pool size in tokens; 0: sized automatically (engine/kv_sizing.py).
     kv_capacity_tokens: int = 0
+    # Automatic sizing on a GPU leaves this much device memory free.
+    kv_headroom_mib: int = 1024
+    # Decode steps replay CUDA graphs (GPU path only).
+    cuda_graph: bool = True
     # Admission reserves KV for the prompt plus up to this many output tokens,
     # so admitted requests rarely need to be preempted.
     output_window: int = 256
@@ -40,8 +44,11 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 f"max batched tokens ({self.max_batched_tokens}) must be at least the max "
                 f"concurrency ({self.max_concurrency}) so every lane can decode each step"
             )
-        if min(self.max_context, self.kv_capacity_tokens, self.output_window, self.threads) < 0:
-            raise ValueError("max context, KV capacity, output window and threads must be >= 0")
+        if min(self.max_context, self.kv_capacity_tokens, self.kv_headroom_mib, self.output_window,
+               self.threads) < 0:
+            raise ValueError(
+                "max context, KV capacity, KV headroom, output window and threads must be >= 0"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

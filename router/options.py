@@ -98,10 +98,21 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def device(text: str) -> str:
+    """cpu, cuda, cuda:N, or a bare GPU index N (llama.cpp's --device style),
+    which means cuda:N."""
     value = text.strip()
+    if value.isdigit():
+        return f"cuda:{int(value)}"
     if not _DEVICE.fullmatch(value):
-        raise OptionValueError(f"must be cpu, cuda or cuda:N, got {value!r}")
+        raise OptionValueError(f"must be cpu, cuda, cuda:N or a GPU index N, got {value!r}")
     return value
+
+
+def kv_capacity(text: str) -> int:
+    """A token count, or `auto` (0): sized from the memory the device has left."""
+    if text.strip().lower() == "auto":
+        return 0
+    return integer(0)(text)
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -146,7 +157,8 @@ class ModelOption:
 
 
 OPTIONS: tuple[ModelOption, ...] = (
-    ModelOption("device", device, "engine.device", "cpu, cuda or cuda:N", "DEVICE"),
+    ModelOption("device", device, "engine.device",
+                "cpu, cuda, cuda:N or N (the N-th GPU)", "DEVICE"),
     ModelOption("dtype", choice(*DTYPES), "engine.dtype",
                 "weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), "
                 "float32, bfloat16 or float16", "DTYPE"),
@@ -159,8 +171,14 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "at least max-concurrency", "N"),
     ModelOption("max-context", integer(0), "engine.max_context",
                 "context length in tokens (0: the model's trained context)", "N"),
-    ModelOption("kv-capacity", integer(0), "engine.kv_capacity_tokens",
-                "KV pool size in tokens (0: sized automatically)", "N"),
+    ModelOption("kv-capacity", kv_capacity, "engine.kv_capacity_tokens",
+                "KV pool size in tokens, or auto (0): on a GPU, what the memory left after "
+                "weights, activations and CUDA graphs holds", "N|auto"),
+    ModelOption("kv-headroom-mib", integer(0), "engine.kv_headroom_mib",
+                "device memory (MiB) that automatic KV sizing leaves free", "MIB"),
+    ModelOption("cuda-graph", boolean, "engine.cuda_graph",
+                "replay decode steps from CUDA graphs (--no-cuda-graph: run them eagerly)",
+                flag=True),
     ModelOption("output-window", integer(0), "engine.output_window",
                 "output tokens admission reserves KV for, beyond the prompt", "N"),
     ModelOption("threads", integer(0), "engine.threads",

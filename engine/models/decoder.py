@@ -19,16 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.model_ops import REFERENCE_OPS, ReferenceOps
 from engine.models.config import ModelConfig
-from kernels.reference import (
-    add_rms_norm,
-    apply_rope,
-    build_rope_cache,
-    paged_attention,
-    rms_norm,
-    silu_and_mul,
-    write_kv_cache,
-)
+from kernels.reference import build_rope_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,30 +59,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         rope_cache: torch.Tensor,
+        ops: ReferenceOps,
     ) -> torch.Tensor:
-        cfg = self.config
-        tokens = hidden.shape[0]
         qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm_weight is not None:
-            q = rms_norm(q, self.q_norm_weight, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm_weight, cfg.rms_norm_eps)
-        q, k = apply_rope(positions, q, k, rope_cache)
-        k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.query_start_loc_host,
-            meta.seq_lens_host,
-            meta.block_tables,
-            self.scale,
-        )
-        return F.linear(out.view(tokens, cfg.q_size), self.o_weight, self.o_bias)
+        out = ops.attention(self.config, qkv, positions, meta, kv_cache, rope_cache,
+                            self.q_norm_weight, self.k_norm_weight)
+        return F.linear(out, self.o_weight, self.o_bias)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         q, kv = self.config.q_size, self.config.kv_size
@@ -120,8 +95,8 @@ class MLP(nn.Module):
         self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size, **kw)
         self.down_weight = _weight(config.hidden_size, config.intermediate_size, **kw)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+    def forward(self, hidden: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size
@@ -149,17 +124,19 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         rope_cache: torch.Tensor,
+        ops: ReferenceOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before it); the next
         layer's input norm (or the final norm) adds the two."""
         if residual is None:
             residual = hidden
-            hidden = rms_norm(hidden, self.input_norm_weight, self.eps)
+            hidden = ops.rms_norm(hidden, self.input_norm_weight, self.eps)
         else:
-            hidden, residual = add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
-        hidden = self.self_attn(hidden, positions, meta, kv_cache, rope_cache)
-        hidden, residual = add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
-        return self.mlp(hidden), residual
+            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, positions, meta, kv_cache, rope_cache, ops)
+        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_norm_weight,
+                                            self.eps)
+        return self.mlp(hidden, ops), residual
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         return {
@@ -210,6 +187,8 @@ class CausalLM(nn.Module):
             dtype,
         )
         self.register_buffer("rope_cache", rope, persistent=False)
+        # The ModelRunner switches this to CudaOps where our kernels can run.
+        self.ops: ReferenceOps = REFERENCE_OPS
 
     def forward(
         self,
@@ -221,12 +200,14 @@ class CausalLM(nn.Module):
         """input_ids, positions: int64 [T]; kv_caches[layer] = (k_cache, v_cache),
         each [P, S, Hkv, D] in the model dtype. Writes the new tokens' K/V at
         meta.slot_mapping and returns the final-normed hidden states [T, H]."""
+        ops = self.ops
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, meta, kv_cache, self.rope_cache)
+            hidden, residual = layer(hidden, residual, positions, meta, kv_cache, self.rope_cache,
+                                     ops)
         assert residual is not None, "a model has at least one layer"
-        hidden, _ = add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
+        hidden, _ = ops.add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

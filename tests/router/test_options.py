@@ -25,7 +25,7 @@ from router.settings import ModelSettings, SamplingOverrides
 
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
-    "output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
+    "kv-headroom-mib cuda-graph output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
     "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout"
 ).split()
 
@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
 
 def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
-    expected = {f"--{name}" for name in CLI_NAMES} | {"--no-model-suspend", "-h", "--help"}
+    expected = {f"--{name}" for name in CLI_NAMES} | {
+        "--no-model-suspend", "--no-cuda-graph", "-h", "--help"}
     assert flags == expected
 
 
@@ -69,6 +70,12 @@ def test_no_per_model_option_is_a_router_option() -> None:
         ("top-p", "1", 1.0),
         ("min-p", "0.05", 0.05),
         ("device", "cuda:1", "cuda:1"),
+        ("device", "1", "cuda:1"),
+        ("kv-capacity", "auto", 0),
+        ("kv-capacity", "AUTO", 0),
+        ("kv-capacity", "131072", 131072),
+        ("kv-headroom-mib", "2048", 2048),
+        ("cuda-graph", "off", False),
         ("dtype", "bfloat16", "bfloat16"),
         ("suspend-weights", "host", "host"),
         ("load-timeout", "2.5", 2.5),
@@ -95,7 +102,9 @@ def test_values_parse(name: str, text: str, value: object) -> None:
         ("load-timeout", "0", "must be > 0.0, got '0'"),
         ("sleep-idle-seconds", "-5", "must be >= 0.0, got '-5'"),
         ("seed", str(2**64), f"must be in 0..{2**64 - 1}, got {2**64}"),
-        ("device", "gpu", "must be cpu, cuda or cuda:N, got 'gpu'"),
+        ("device", "gpu", "must be cpu, cuda, cuda:N or a GPU index N, got 'gpu'"),
+        ("kv-capacity", "lots", "expected an integer, got 'lots'"),
+        ("kv-headroom-mib", "-1", "must be >= 0, got -1"),
         ("dtype", "int8", "must be one of auto, float32, bfloat16, float16, got 'int8'"),
         ("suspend-weights", "ram", "must be one of host, disk, got 'ram'"),
         ("model-suspend", "maybe", "expected true or false, got 'maybe'"),

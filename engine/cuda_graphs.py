@@ -1,0 +1,181 @@
+"""CUDA graphs of the decode forward pass.
+
+A decode step launches a few hundred small kernels; from the slow host CPU of
+our GPU machines, launching them one by one costs more than running them. So
+the forward pass of a decode step (embedding to final norm) is captured once
+per padded batch size and replayed: one launch per step.
+
+Capture follows vLLM's recipe: batch sizes 1, 2, 4, 8 and then every multiple
+of 8 up to the largest decode batch, captured largest first into one shared
+memory pool (a smaller graph's intermediates fit in what the larger one left
+free). A step pads its batch up to the next captured size; padding rows write
+no KV (slot -1) and read one token of page 0. The decode attention kernel's
+split-K grid depends on an upper bound of the sequence lengths, so each batch
+size is captured for a few context buckets, and a step replays the smallest
+bucket that holds its longest sequence. Logits and sampling run eagerly after
+the replay (their inputs are only the sampled rows).
+
+Graphs point at the weights, KV and workspace addresses they were captured
+with: sleep() drops them and wake() captures them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.models import CausalLM
+from engine.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Context buckets below the served context: a decode step whose sequences are
+# all shorter replays a graph whose attention grid covers only this much.
+CONTEXT_BUCKETS = (4096,)
+
+
+def capture_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [size for size in (1, 2, 4) if size < max_batch]
+    sizes += range(8, max_batch, 8)
+    sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+def context_buckets(max_context: int) -> list[int]:
+    return sorted({bucket for bucket in CONTEXT_BUCKETS if bucket < max_context} | {max_context})
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [padded batch, H], written by each replay
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[KVCache],
+        *,
+        max_batch: int,
+        max_context: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = capture_batch_sizes(max_batch)
+        self.buckets = context_buckets(max_context)
+        self.max_batch = max_batch
+        self.device = device
+        max_pages = -(-max_context // page_size)
+        # Static inputs: every graph reads its rows of these.
+        kw = {"device": device}
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, **kw)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, **kw)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, **kw)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, **kw)
+        self.block_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, **kw)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, **kw)
+        # Page-locked mirrors: one step's inputs are written here, then copied
+        # in four asynchronous DMAs.
+        self._host_tokens = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=True)
+        self._host_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32,
+                                        pin_memory=True)
+        self._copies_done: torch.cuda.Event | None = None
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool_bytes = 0
+
+    def _metadata(self, batch: int, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            slot_mapping=self.slot_mapping[:batch],
+            max_query_len=1,
+            max_seq_len=bucket,
+            # The kernels read lengths on the device; nothing on the host.
+            query_start_loc_host=(),
+            seq_lens_host=(),
+        )
+
+    def _forward(self, batch: int, bucket: int) -> torch.Tensor:
+        return self.model.forward(self.input_ids[:batch], self.positions[:batch],
+                                  self._metadata(batch, bucket), self.kv_caches)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every (batch size, bucket); returns the seconds it took."""
+        started = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        # Warm up eagerly once at the largest shape: cuBLAS picks its
+        # algorithms and creates its workspace outside the capture.
+        self._forward(self.max_batch, self.buckets[-1])
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.batch_sizes):
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._forward(batch, bucket)
+                self._graphs[(batch, bucket)] = _Graph(graph, hidden)
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        seconds = time.perf_counter() - started
+        log.info("captured %d CUDA graphs (batch sizes 1..%d, context buckets %s) in %.2fs, "
+                 "%.1f MiB", len(self._graphs), self.max_batch, self.buckets, seconds,
+                 self.pool_bytes / 2**20)
+        return seconds
+
+    def release(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def handles(self, inputs: StepInputs) -> bool:
+        return self.captured and inputs.is_decode and inputs.num_seqs <= self.max_batch
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the graph for a decode step; returns hidden states [B, H]
+        (a view of the graph's output: read it before the next replay)."""
+        batch = inputs.num_seqs
+        padded = next(size for size in self.batch_sizes if size >= batch)
+        longest = int(inputs.seq_lens.max())
+        bucket = next(b for b in self.buckets if b >= longest)
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the mirrors are free again
+        tokens = self._host_tokens.numpy()
+        tokens[0, :batch] = inputs.input_ids
+        tokens[1, :batch] = inputs.positions
+        tokens[2, :batch] = inputs.slot_mapping
+        tokens[:, batch:padded] = 0
+        tokens[2, batch:padded] = -1
+        lens = self._host_lens.numpy()
+        lens[:batch] = inputs.seq_lens
+        lens[batch:padded] = 1
+        width = inputs.block_tables.shape[1]
+        tables = self._host_tables.numpy()
+        tables[:batch, :width] = inputs.block_tables
+        tables[batch:padded, 0] = 0
+        self.input_ids[:padded].copy_(self._host_tokens[0, :padded], non_blocking=True)
+        self.positions[:padded].copy_(self._host_tokens[1, :padded], non_blocking=True)
+        self.slot_mapping[:padded].copy_(self._host_tokens[2, :padded], non_blocking=True)
+        self.seq_lens[:padded].copy_(self._host_lens[:padded], non_blocking=True)
+        self.block_tables[:padded, :width].copy_(self._host_tables[:padded, :width],
+                                                 non_blocking=True)
+        self._copies_done = torch.cuda.Event()
+        self._copies_done.record()
+        entry = self._graphs[(padded, bucket)]
+        entry.graph.replay()
+        return entry.hidden[:batch]
+

@@ -1,0 +1,168 @@
+"""Device memory on a GPU: what a step needs, what the KV pool may take, and
+the ledger the startup log prints.
+
+Automatic KV sizing (vLLM's recipe): with the weights loaded, run the largest
+step the scheduler can form (a prefill of max_batched_tokens tokens, then a
+decode of every lane, each sampling) on a scratch KV pool and read torch's
+peak; the KV pool then takes what the device has free, less that peak, less
+room for the CUDA graphs' memory pool, less the headroom the operator asked
+to keep. Because the profiled steps are the largest the scheduler forms, no
+step later needs more than was set aside.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.models import CausalLM
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+from engine.step_inputs import DeviceInputs, StepInputs
+from protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+GIB = 2**30
+# The graphs' pool holds one decode step's intermediates, captured largest
+# first; this much slack covers allocator rounding on top of the profiled step.
+GRAPH_POOL_SLACK_BYTES = 64 * MIB
+
+
+@dataclass(frozen=True)
+class StepPeaks:
+    prefill_bytes: int  # beyond the weights and KV, for the largest prefill step
+    decode_bytes: int  # the same for a decode step of every lane
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(self.prefill_bytes, self.decode_bytes)
+
+    @property
+    def graph_reserve_bytes(self) -> int:
+        return self.decode_bytes + GRAPH_POOL_SLACK_BYTES
+
+
+@torch.inference_mode()
+def profile_step_peaks(
+    model: CausalLM,
+    sampler: Sampler,
+    *,
+    max_batched_tokens: int,
+    max_batch: int,
+    page_size: int,
+    device: torch.device,
+) -> StepPeaks:
+    config = model.config
+    pages = -(-max_batched_tokens // page_size) + max_batch + 1
+    shape = (pages, page_size, config.num_kv_heads, config.head_dim)
+    dtype = model.embed_tokens.dtype
+    scratch = [(torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+    inputs = DeviceInputs(device)
+    try:
+        prefill = _peak(model, sampler, inputs, scratch, _prefill_step(max_batched_tokens,
+                                                                         max_batch, page_size))
+        decode = _peak(model, sampler, inputs, scratch, _decode_step(max_batch, page_size))
+    finally:
+        del scratch
+        torch.cuda.empty_cache()
+    return StepPeaks(prefill, decode)
+
+
+def _peak(model: CausalLM, sampler: Sampler, device_inputs: DeviceInputs,
+          kv: list[tuple[torch.Tensor, torch.Tensor]], step: StepInputs) -> int:
+    device = device_inputs.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    input_ids, positions, meta = device_inputs.metadata(step)
+    hidden = model.forward(input_ids, positions, meta, kv)
+    rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=device)
+    logits = model.compute_logits(hidden.index_select(0, rows))
+    # Sampled rows take the kernel's path, the costlier one.
+    sampler.sample(logits, step.sample_seqs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _profile_seqs(count: int) -> list[Sequence]:
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=40)
+    return [Sequence(f"profile-{i}", [1], params) for i in range(count)]
+
+
+def _prefill_step(tokens: int, max_batch: int, page_size: int) -> StepInputs:
+    # One sequence of all the step's tokens, as a long prompt's chunk is, and
+    # as many sampled rows as there are lanes (logits are per sampled row).
+    pages = -(-tokens // page_size)
+    rows = list(range(tokens - max_batch, tokens)) if tokens >= max_batch else list(range(tokens))
+    positions = np.arange(tokens, dtype=np.int64)
+    return StepInputs(
+        input_ids=np.ones(tokens, dtype=np.int64),
+        positions=positions,
+        slot_mapping=positions.copy(),
+        query_start_loc=np.array([0, tokens], dtype=np.int32),
+        seq_lens=np.array([tokens], dtype=np.int32),
+        block_tables=np.arange(pages, dtype=np.int32)[None, :],
+        sample_rows=rows,
+        sample_seqs=_profile_seqs(len(rows)),
+    )
+
+
+def _decode_step(batch: int, page_size: int) -> StepInputs:
+    first_free = 0
+    tables = (first_free + np.arange(batch, dtype=np.int32))[:, None]
+    return StepInputs(
+        input_ids=np.ones(batch, dtype=np.int64),
+        positions=np.zeros(batch, dtype=np.int64),
+        slot_mapping=tables[:, 0].astype(np.int64) * page_size,
+        query_start_loc=np.arange(batch + 1, dtype=np.int32),
+        seq_lens=np.ones(batch, dtype=np.int32),
+        block_tables=tables,
+        sample_rows=list(range(batch)),
+        sample_seqs=_profile_seqs(batch),
+    )
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    total_bytes: int
+    weights_bytes: int
+    kv_bytes: int
+    kv_pages: int
+    kv_tokens: int
+    activation_bytes: int
+    workspace_bytes: int
+    graph_bytes: int
+    graph_count: int
+    headroom_bytes: int
+    free_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"device memory ledger: total {self.total_bytes / GIB:.2f} GiB = "
+            f"weights {self.weights_bytes / GIB:.2f} GiB + "
+            f"KV {self.kv_bytes / GIB:.2f} GiB ({self.kv_pages} pages, {self.kv_tokens} tokens) + "
+            f"activations {self.activation_bytes / MIB:.0f} MiB (peak of the largest step) + "
+            f"decode workspace {self.workspace_bytes / MIB:.0f} MiB + "
+            f"CUDA graphs {self.graph_bytes / MIB:.0f} MiB ({self.graph_count} graphs) + "
+            f"headroom {self.headroom_bytes / MIB:.0f} MiB; "
+            f"{self.free_bytes / GIB:.2f} GiB free now"
+        )
+
+
+def kv_budget_bytes(peaks: StepPeaks, headroom_bytes: int, device: torch.device,
+                    cuda_graph: bool) -> int:
+    """Device bytes the KV pool may take: free memory after the weights (and
+    anything other processes hold), less the largest step's activations, the
+    graphs' pool and the headroom."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    reserve = peaks.activation_bytes + headroom_bytes
+    if cuda_graph:
+        reserve += peaks.graph_reserve_bytes
+    return free - reserve

@@ -1,0 +1,149 @@
+"""The flat batch of one scheduled step, built on the host with numpy.
+
+A step's inputs are a handful of small integer arrays (token ids, positions,
+KV slots, sequence bounds, page tables). They are built in numpy, not in
+Python lists of torch tensors, because the host CPU of our GPU machines is
+slow and this runs every step; on CUDA they travel through page-locked
+staging buffers, so each copy to the device is one asynchronous DMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B + 1]
+    seq_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, max_pages]
+    sample_rows: list[int]  # flat rows whose logits are sampled, in chunk order
+    sample_seqs: list[Sequence]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start_loc).max())
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token: a decode step (CUDA graphs)."""
+        return self.num_tokens == self.num_seqs
+
+
+def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
+    chunks = out.chunks
+    num_seqs = len(chunks)
+    counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
+    query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start[1:])
+    seq_lens = (starts + counts).astype(np.int32)
+    max_pages = max(len(c.seq.block_table) for c in chunks)
+    block_tables = np.zeros((num_seqs, max_pages), dtype=np.int32)
+    input_ids: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    for row, chunk in enumerate(chunks):
+        seq = chunk.seq
+        table = seq.block_table
+        block_tables[row, : len(table)] = table
+        end = chunk.start + chunk.num_tokens
+        if chunk.num_tokens == 1:
+            input_ids.append(seq.token_ids[chunk.start])
+        else:
+            input_ids.extend(seq.token_ids[chunk.start:end])
+        if chunk.samples:
+            sample_rows.append(int(query_start[row + 1]) - 1)
+            sample_seqs.append(seq)
+    # Positions run from each chunk's start; a token's slot is its page's id
+    # times the page size plus its offset in the page.
+    row_of_token = np.repeat(np.arange(num_seqs), counts)
+    positions = np.arange(len(row_of_token), dtype=np.int64) - query_start[row_of_token] + \
+        starts[row_of_token]
+    pages = block_tables[row_of_token, positions // page_size].astype(np.int64)
+    slots = pages * page_size + positions % page_size
+    return StepInputs(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sample_rows=sample_rows,
+        sample_seqs=sample_seqs,
+    )
+
+
+class DeviceInputs:
+    """Moves StepInputs to the device: host arrays go through page-locked
+    staging buffers on CUDA (grown as needed), straight to tensors on the CPU.
+
+    The staging buffers are reused every step. A step that samples nothing
+    (prompt chunks only) returns without waiting for the GPU, so before a
+    buffer is written again, begin() waits for the copies that read it last."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._staging: dict[str, torch.Tensor] = {}
+        self._copies_done: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        """Call before a step's first tensor(): the staging buffers are free again."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+
+    def end(self) -> None:
+        """Call after a step's last tensor(): marks when its copies are done."""
+        if self._pinned:
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+
+    def tensor(self, name: str, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if not self._pinned:
+            return host
+        staging = self._staging.get(name)
+        if staging is None or staging.numel() < host.numel() or staging.dtype != host.dtype:
+            staging = torch.empty(max(host.numel(), 1024), dtype=host.dtype, pin_memory=True)
+            self._staging[name] = staging
+        view = staging[: host.numel()].view(host.shape)
+        view.copy_(host)
+        return view.to(self.device, non_blocking=True)
+
+    def metadata(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) on the device for an eager forward."""
+        self.begin()
+        meta = AttentionMetadata(
+            query_start_loc=self.tensor("query_start_loc", inputs.query_start_loc),
+            seq_lens=self.tensor("seq_lens", inputs.seq_lens),
+            block_tables=self.tensor("block_tables", inputs.block_tables),
+            slot_mapping=self.tensor("slot_mapping", inputs.slot_mapping),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
+            seq_lens_host=tuple(inputs.seq_lens.tolist()),
+        )
+        input_ids = self.tensor("input_ids", inputs.input_ids)
+        positions = self.tensor("positions", inputs.positions)
+        self.end()
+        return input_ids, positions, meta

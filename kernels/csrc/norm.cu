@@ -1,0 +1,229 @@
+// RMSNorm and the fused residual add + RMSNorm, bf16 [T, H] rows, H a multiple
+// of 8 up to 16384. Numerics of kernels.reference.rms_norm / add_rms_norm:
+//   summed = bf16(x + residual)                      (add variant: the new residual)
+//   scale  = rsqrtf(sum(summed^2) * (1/H) + eps)      float32
+//   out    = bf16(weight * bf16(summed * scale))
+//
+// Each row is read once and written once; it stays in registers (packed bf16,
+// VPT 16-byte vectors per thread) between the sum-of-squares pass and the
+// normalize pass. Two layouts, chosen by the wrapper from H:
+//   warp rows  (H <= 1024): one warp per row, 1 or 4 rows per CTA; the
+//              reduction is shuffles only, no shared memory, no barrier.
+//   block rows (H > 1024):  one CTA per row, blockDim.x = 32 * k threads;
+//              shuffles, then one barrier and a read of the <= 8 warp sums.
+// Thread t of a row owns vectors t, t + G, t + 2G, ... (G threads per row), so
+// each load instruction is contiguous across the row's threads (coalesced).
+//
+// Aliasing: every thread writes exactly the elements it read, after reading
+// them, so out may be x itself. The pointers are therefore not __restrict__.
+#include <cuda_bf16.h>
+
+namespace {
+
+// 16-byte bf16 vectors (8 bf16 in a uint4: one LDG.128/STG.128) and the
+// RMSNorm element step with kernels.reference.rms_norm's rounding. The same
+// helpers are in norm.cu and rope_cache.cu: CuPy's compile cache is keyed on
+// the source text alone, so a shared header could be served stale.
+__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+// Element i (0..7) of a packed vector, as float (exact).
+__device__ __forceinline__ float vec_get(const uint4& v, int i) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+    return __bfloat162float(h[i]);
+}
+
+__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
+    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
+    h[i] = x;
+}
+
+// float -> bf16 -> float: what torch does after every bf16 elementwise op
+// (its opmath is float32, each result rounded to nearest even once).
+__device__ __forceinline__ float round_bf16(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// Sum of squares of the 8 elements, accumulated into acc.
+__device__ __forceinline__ float vec_sum_squares(const uint4& v, float acc) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float x = vec_get(v, i);
+        acc = fmaf(x, x, acc);
+    }
+    return acc;
+}
+
+// torch's mean on the GPU is sum * (1/N) (ATen's MeanOps multiplies by a
+// float factor), stored rounded; then rsqrt(variance + eps) with CUDA's rsqrtf
+// as torch.rsqrt does. __fmul_rn/__fadd_rn keep the compiler from fusing the
+// two into one FMA, which would round once where torch rounds twice.
+__device__ __forceinline__ float rms_scale(float sum_squares, float inv_n, float eps) {
+    return rsqrtf(__fadd_rn(__fmul_rn(sum_squares, inv_n), eps));
+}
+
+// weight * bf16(x * scale), each product rounded to bf16 once: the reference
+// casts the normalized float32 value to bf16 before the bf16 * bf16 product.
+__device__ __forceinline__ uint4 vec_normalize(const uint4& x, const uint4& weight, float scale) {
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float normalized = round_bf16(vec_get(x, i) * scale);
+        vec_set(out, i, __float2bfloat16_rn(vec_get(weight, i) * normalized));
+    }
+    return out;
+}
+
+constexpr unsigned kFullMask = 0xffffffffu;
+// Block rows use at most 256 threads (the wrapper picks VPT so).
+constexpr int kMaxBlockWarps = 8;
+
+__device__ __forceinline__ float warp_sum(float v) {
+    // Butterfly: every lane ends with the same bits (a + b == b + a exactly).
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(kFullMask, v, offset);
+    }
+    return v;
+}
+
+// bf16(x + r) elementwise, as torch's bf16 add (float32 sum, rounded once).
+__device__ __forceinline__ uint4 vec_add(const uint4& x, const uint4& r) {
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        vec_set(out, i, __float2bfloat16_rn(vec_get(x, i) + vec_get(r, i)));
+    }
+    return out;
+}
+
+// One row. group_size threads (lane `member` of them) share it.
+// BLOCK_ROW: the group is the whole CTA and needs shared memory for the sum.
+template <int VPT, bool ADD, bool BLOCK_ROW>
+__device__ __forceinline__ void norm_row(__nv_bfloat16* out, __nv_bfloat16* residual,
+                                         const __nv_bfloat16* x,
+                                         const __nv_bfloat16* __restrict__ weight, int vectors,
+                                         int member, int group_size, float inv_hidden, float eps) {
+    uint4 row[VPT];
+    // All loads first (independent, in flight together); lanes past the row's
+    // end hold zeros, which add nothing to the sum of squares.
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int v = member + i * group_size;
+        row[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < vectors) row[i] = load_vec(x + v * 8);
+    }
+    if (ADD) {
+        uint4 res[VPT];
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int v = member + i * group_size;
+            res[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (v < vectors) res[i] = load_vec(residual + v * 8);
+        }
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int v = member + i * group_size;
+            row[i] = vec_add(row[i], res[i]);
+            if (v < vectors) store_vec(residual + v * 8, row[i]);
+        }
+    }
+    // The weights are loaded now, before the reduction, so their latency hides
+    // behind it; loaded next to the stores below they would wait one by one
+    // (out is not __restrict__, so the compiler may not hoist them itself).
+    uint4 scale_by[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int v = member + i * group_size;
+        scale_by[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < vectors) scale_by[i] = load_vec(weight + v * 8);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) sum = vec_sum_squares(row[i], sum);
+    sum = warp_sum(sum);
+    if (BLOCK_ROW) {
+        __shared__ float warp_sums[kMaxBlockWarps];
+        const int warp = threadIdx.x >> 5;
+        if ((threadIdx.x & 31) == 0) warp_sums[warp] = sum;
+        __syncthreads();
+        // Every thread adds the warp sums in the same order: identical scales.
+        sum = 0.0f;
+        const int warps = blockDim.x >> 5;
+#pragma unroll
+        for (int w = 0; w < kMaxBlockWarps; ++w) {
+            if (w < warps) sum += warp_sums[w];
+        }
+    }
+    const float scale = rms_scale(sum, inv_hidden, eps);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int v = member + i * group_size;
+        if (v < vectors) store_vec(out + v * 8, vec_normalize(row[i], scale_by[i], scale));
+    }
+}
+
+// grid: ceil(T / (blockDim.x / 32)); a warp per row, blockDim.x / 32 rows per CTA.
+template <int VPT, bool ADD>
+__device__ __forceinline__ void warp_rows(__nv_bfloat16* out, __nv_bfloat16* residual,
+                                          const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                                          int tokens, int hidden, float inv_hidden, float eps) {
+    const long row = static_cast<long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= tokens) return;  // whole warps leave together: shuffles stay full
+    const long offset = row * hidden;
+    norm_row<VPT, ADD, false>(out + offset, ADD ? residual + offset : nullptr, x + offset,
+                              weight, hidden / 8, threadIdx.x & 31, 32, inv_hidden, eps);
+}
+
+// grid: T; a CTA per row; blockDim.x a multiple of 32, at most 256.
+template <int VPT, bool ADD>
+__device__ __forceinline__ void block_rows(__nv_bfloat16* out, __nv_bfloat16* residual,
+                                           const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                                           int hidden, float inv_hidden, float eps) {
+    const long offset = static_cast<long>(blockIdx.x) * hidden;
+    norm_row<VPT, ADD, true>(out + offset, ADD ? residual + offset : nullptr, x + offset, weight,
+                             hidden / 8, threadIdx.x, blockDim.x, inv_hidden, eps);
+}
+
+}  // namespace
+
+// Entry points: rms_norm_{warp,block}{VPT}; add_rms_norm_{warp,block}{VPT}.
+// residual is unused (may be 0) by the plain variants.
+#define ROUNDHOUSE_WARP_KERNELS(VPT)                                                             \
+    extern "C" __global__ void rms_norm_warp##VPT(                                               \
+        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
+        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
+        warp_rows<VPT, false>(out, residual, x, weight, tokens, hidden, inv_hidden, eps);        \
+    }                                                                                            \
+    extern "C" __global__ void add_rms_norm_warp##VPT(                                           \
+        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
+        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
+        warp_rows<VPT, true>(out, residual, x, weight, tokens, hidden, inv_hidden, eps);         \
+    }
+
+#define ROUNDHOUSE_BLOCK_KERNELS(VPT)                                                            \
+    extern "C" __global__ void rms_norm_block##VPT(                                              \
+        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
+        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
+        block_rows<VPT, false>(out, residual, x, weight, hidden, inv_hidden, eps);               \
+    }                                                                                            \
+    extern "C" __global__ void add_rms_norm_block##VPT(                                          \
+        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
+        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
+        block_rows<VPT, true>(out, residual, x, weight, hidden, inv_hidden, eps);                \
+    }
+
+// Warp rows: H <= 1024 (<= 128 vectors): VPT = ceil(H / 256).
+ROUNDHOUSE_WARP_KERNELS(1)
+ROUNDHOUSE_WARP_KERNELS(2)
+ROUNDHOUSE_WARP_KERNELS(3)
+ROUNDHOUSE_WARP_KERNELS(4)
+// Block rows: H in (1024, 16384]: VPT 2, 4 or 8, at most 256 threads.
+ROUNDHOUSE_BLOCK_KERNELS(2)
+ROUNDHOUSE_BLOCK_KERNELS(4)
+ROUNDHOUSE_BLOCK_KERNELS(8)

@@ -1,0 +1,202 @@
+// Rotary embedding fused with the paged KV-cache write, with Qwen3's per-head
+// q/k RMSNorm before the rotation. bf16 everywhere, float32 arithmetic.
+//
+// qkv: [T, (Hq + 2 Hkv) * D], per token the q heads, then the k heads, then
+// the v heads, each D contiguous values. For every (token, head):
+//   q head: q_out[t, h]                     = rope(norm?(q))
+//   k head: k_cache.view(-1, Hkv, D)[slot]  = rope(norm?(k))   (slot >= 0)
+//   v head: v_cache.view(-1, Hkv, D)[slot]  = v                (slot >= 0)
+//
+// Work split: D / 16 consecutive threads own one head ("group"); thread j of
+// it holds the 16-byte vector j of the head's first half (x1) and vector j of
+// its second half (x2), exactly the pairs that rotate_half combines, so the
+// rotation needs no data exchange. The norm's sum of squares is reduced with
+// shuffles inside the group. Groups run over (token, head) flattened, so a
+// 128-thread CTA covers 16 heads (D = 128) or 32 (D = 64) whatever Hq/Hkv
+// are; T = 1 in Qwen3-0.6B (32 heads) is 2 CTAs, T = 8192 is 16384 CTAs.
+//
+// Rounding follows kernels.reference.apply_rope/_rotate, torch's bf16
+// elementwise semantics: each product x * cos is a bf16 * bf16 product
+// rounded to bf16, then the difference / sum of two such is rounded to bf16.
+// The result is therefore bitwise equal to the reference.
+#include <cuda_bf16.h>
+
+namespace {
+
+// 16-byte bf16 vectors (8 bf16 in a uint4: one LDG.128/STG.128) and the
+// RMSNorm element step with kernels.reference.rms_norm's rounding. The same
+// helpers are in norm.cu and rope_cache.cu: CuPy's compile cache is keyed on
+// the source text alone, so a shared header could be served stale.
+__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+// Element i (0..7) of a packed vector, as float (exact).
+__device__ __forceinline__ float vec_get(const uint4& v, int i) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+    return __bfloat162float(h[i]);
+}
+
+__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
+    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
+    h[i] = x;
+}
+
+// float -> bf16 -> float: what torch does after every bf16 elementwise op
+// (its opmath is float32, each result rounded to nearest even once).
+__device__ __forceinline__ float round_bf16(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// Sum of squares of the 8 elements, accumulated into acc.
+__device__ __forceinline__ float vec_sum_squares(const uint4& v, float acc) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float x = vec_get(v, i);
+        acc = fmaf(x, x, acc);
+    }
+    return acc;
+}
+
+// torch's mean on the GPU is sum * (1/N) (ATen's MeanOps multiplies by a
+// float factor), stored rounded; then rsqrt(variance + eps) with CUDA's rsqrtf
+// as torch.rsqrt does. __fmul_rn/__fadd_rn keep the compiler from fusing the
+// two into one FMA, which would round once where torch rounds twice.
+__device__ __forceinline__ float rms_scale(float sum_squares, float inv_n, float eps) {
+    return rsqrtf(__fadd_rn(__fmul_rn(sum_squares, inv_n), eps));
+}
+
+// weight * bf16(x * scale), each product rounded to bf16 once: the reference
+// casts the normalized float32 value to bf16 before the bf16 * bf16 product.
+__device__ __forceinline__ uint4 vec_normalize(const uint4& x, const uint4& weight, float scale) {
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float normalized = round_bf16(vec_get(x, i) * scale);
+        vec_set(out, i, __float2bfloat16_rn(vec_get(weight, i) * normalized));
+    }
+    return out;
+}
+
+// out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin, torch's rounding.
+// On return lo holds out1 and hi out2.
+__device__ __forceinline__ void rotate(uint4& lo, uint4& hi, const uint4& cos, const uint4& sin,
+                                       bool position_ok) {
+    const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float x1 = vec_get(lo, i);
+        const float x2 = vec_get(hi, i);
+        // An out-of-range position has no table row: NaN out, never a stray read.
+        const float c = position_ok ? vec_get(cos, i) : nan;
+        const float s = position_ok ? vec_get(sin, i) : nan;
+        const float out1 = round_bf16(x1 * c) - round_bf16(x2 * s);
+        const float out2 = round_bf16(x2 * c) + round_bf16(x1 * s);
+        vec_set(lo, i, __float2bfloat16_rn(out1));
+        vec_set(hi, i, __float2bfloat16_rn(out2));
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void rope_and_cache(
+    __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
+    __nv_bfloat16* __restrict__ v_cache, const __nv_bfloat16* __restrict__ qkv,
+    const long long* __restrict__ positions, const __nv_bfloat16* __restrict__ cos_sin_cache,
+    const long long* __restrict__ slot_mapping, const __nv_bfloat16* __restrict__ q_norm_weight,
+    const __nv_bfloat16* __restrict__ k_norm_weight, int tokens, int num_heads,
+    int num_kv_heads, int max_positions, long long num_slots, float eps) {
+    constexpr int kGroup = D / 16;  // threads per head: 8 (D = 128) or 4 (D = 64)
+    constexpr int kHalf = D / 2;
+    const int heads_per_token = num_heads + 2 * num_kv_heads;
+    const int thread = blockIdx.x * blockDim.x + threadIdx.x;
+    const int group = thread / kGroup;
+    const int j = thread % kGroup;
+    // Groups are aligned runs of kGroup lanes, so a group leaves (or stays)
+    // whole and its shuffles below only involve lanes that are all present.
+    if (group >= tokens * heads_per_token) return;
+    const int token = group / heads_per_token;
+    const int head = group - token * heads_per_token;
+
+    // Independent loads first: the head's two vectors, the slot, the position.
+    const __nv_bfloat16* src = qkv + static_cast<long long>(group) * D + j * 8;
+    uint4 lo = load_vec(src);
+    uint4 hi = load_vec(src + kHalf);
+    const bool is_q = head < num_heads;
+    long long slot = -1;
+    if (!is_q) {
+        slot = slot_mapping[token];
+        // < 0: a padding row of a graph batch, not cached. Past the cache's
+        // end cannot be caught on the host without a sync: skipped too, so a
+        // bad slot never writes outside the cache.
+        if (slot >= num_slots) slot = -1;
+    }
+
+    if (head >= num_heads + num_kv_heads) {  // v: a straight copy
+        if (slot >= 0) {
+            __nv_bfloat16* dst = v_cache +
+                                 (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
+                                 j * 8;
+            store_vec(dst, lo);
+            store_vec(dst + kHalf, hi);
+        }
+        return;
+    }
+
+    const long long position = positions[token];
+    const bool position_ok = position >= 0 && position < max_positions;
+    const __nv_bfloat16* row = cos_sin_cache + (position_ok ? position : 0LL) * D + j * 8;
+    const uint4 cos = load_vec(row);
+    const uint4 sin = load_vec(row + kHalf);
+
+    const __nv_bfloat16* weight = is_q ? q_norm_weight : k_norm_weight;
+    if (weight != nullptr) {
+        const uint4 w_lo = load_vec(weight + j * 8);
+        const uint4 w_hi = load_vec(weight + kHalf + j * 8);
+        float sum = vec_sum_squares(hi, vec_sum_squares(lo, 0.0f));
+        const unsigned lane = threadIdx.x & 31;
+        const unsigned mask = ((1u << kGroup) - 1u) << (lane & ~static_cast<unsigned>(kGroup - 1));
+#pragma unroll
+        for (int offset = kGroup / 2; offset > 0; offset >>= 1) {
+            sum += __shfl_xor_sync(mask, sum, offset);
+        }
+        // D is a power of two: 1/D is exact, the same factor torch's mean uses.
+        const float scale = rms_scale(sum, 1.0f / D, eps);
+        lo = vec_normalize(lo, w_lo, scale);
+        hi = vec_normalize(hi, w_hi, scale);
+    }
+
+    rotate(lo, hi, cos, sin, position_ok);
+
+    __nv_bfloat16* dst;
+    if (is_q) {
+        dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
+    } else {
+        if (slot < 0) return;
+        dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+    }
+    store_vec(dst, lo);
+    store_vec(dst + kHalf, hi);
+}
+
+}  // namespace
+
+// grid: ceil(T * (Hq + 2 Hkv) * D / 16 / blockDim.x), blockDim.x a multiple of 32.
+// q_norm_weight / k_norm_weight: 0 for no norm. num_slots = P * S.
+#define ROUNDHOUSE_ROPE_KERNEL(D)                                                               \
+    extern "C" __global__ void rope_and_cache_d##D(                                             \
+        __nv_bfloat16* q_out, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,                   \
+        const __nv_bfloat16* qkv, const long long* positions,                                   \
+        const __nv_bfloat16* cos_sin_cache, const long long* slot_mapping,                      \
+        const __nv_bfloat16* q_norm_weight, const __nv_bfloat16* k_norm_weight, int tokens,     \
+        int num_heads, int num_kv_heads, int max_positions, long long num_slots, float eps) {   \
+        rope_and_cache<D>(q_out, k_cache, v_cache, qkv, positions, cos_sin_cache, slot_mapping, \
+                          q_norm_weight, k_norm_weight, tokens, num_heads, num_kv_heads,        \
+                          max_positions, num_slots, eps);                                       \
+    }
+
+ROUNDHOUSE_ROPE_KERNEL(64)
+ROUNDHOUSE_ROPE_KERNEL(128)

@@ -1,0 +1,224 @@
+"""The engine on the GPU at real shapes with random weights, against the HBM
+roofline, the tensor-core peak and Hugging Face transformers, in one run.
+
+    python tests/perf/bench_gpu_engine.py [--only decode,throughput,prefill,hf]
+
+1. Batch-1 decode tok/s at the Qwen3-0.6B and Qwen3-8B shapes through the
+   engine's own step loop (scheduler, inputs, graph replay, sampling,
+   outputs), against the roofline: measured copy bandwidth over the bytes a
+   step must read.
+2. Offline throughput on nano-vllm's workload: 256 requests with input and
+   output lengths uniform in 100..1024 (seed 0), Qwen3-0.6B shape, output
+   tokens over the whole wall time, prefill included.
+3. Time to first token for 1k, 8k and 32k-token prompts at the 8B shape, as
+   prompt tok/s and as a share of the measured bf16 GEMM rate.
+4. transformers (eager generate and forward, bf16, sdpa) on the same shapes.
+
+Prints a table last; writes every figure to $OUT/bench_gpu_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import protocol as p
+from engine.core import EngineCore
+from tests.perf.gpu_models import (
+    QWEN3_TEXT_VOCAB,
+    copy_bandwidth,
+    decode_step_bytes,
+    hf_config,
+    make_engine,
+    matmul_flops,
+    random_model,
+)
+
+DEVICE = torch.device("cuda")
+RESULTS: dict[str, Any] = {}
+
+
+def _free(*objects: object) -> None:
+    del objects
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _submit(core: EngineCore, request_id: str, prompt: list[int], max_tokens: int,
+            temperature: float = 0.0) -> None:
+    params = p.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    core.handle(p.Generate(request_id, prompt, params))
+
+
+def _random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(QWEN3_TEXT_VOCAB) for _ in range(length)]
+
+
+def _drain(core: EngineCore) -> None:
+    while core.scheduler.has_work():
+        core.step()
+
+
+def bench_decode(shape: str) -> dict[str, float]:
+    loaded = random_model(shape, DEVICE)
+    core, events = make_engine(loaded, max_concurrency=8, max_batched_tokens=2048,
+                               max_context=4096, kv_capacity_tokens=65536)
+    rng = random.Random(1)
+    _submit(core, "warm", _random_prompt(rng, 64), 64)
+    _drain(core)
+    _submit(core, "solo", _random_prompt(rng, 32), 513)
+    stamps = []
+    while core.scheduler.has_work():
+        core.step()
+        stamps.append(time.perf_counter())
+    # The first step is the prefill and its first token; the other 512 decode.
+    tok_s = 512 / (stamps[-1] - stamps[0])
+    step_bytes = decode_step_bytes(loaded)
+    roofline = RESULTS["copy_bandwidth_Bps"] / step_bytes
+    _free(core, events, loaded)
+    return {"tok_s": tok_s, "roofline_tok_s": roofline, "share": tok_s / roofline,
+            "step_bytes": step_bytes}
+
+
+def bench_throughput() -> dict[str, float]:
+    loaded = random_model("qwen3-0.6b", DEVICE)
+    core, events = make_engine(loaded, max_concurrency=256, max_batched_tokens=16384,
+                               max_context=4096)
+    rng = random.Random(0)
+    _submit(core, "warm", _random_prompt(rng, 256), 32)
+    _drain(core)
+    rng = random.Random(0)
+    workload = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    prompts = [_random_prompt(rng, n) for n, _ in workload]
+    started = time.perf_counter()
+    for index, (prompt, (_, out_len)) in enumerate(zip(prompts, workload, strict=True)):
+        _submit(core, f"r{index}", prompt, out_len)
+    _drain(core)
+    seconds = time.perf_counter() - started
+    output_tokens = sum(out for _, out in workload)
+    result = {"requests": 256, "input_tokens": sum(n for n, _ in workload),
+              "output_tokens": output_tokens, "seconds": seconds,
+              "output_tok_s": output_tokens / seconds,
+              "preemptions": core.scheduler.num_preemptions}
+    _free(core, events, loaded)
+    return result
+
+
+def _prefill_flops(shape: str, tokens: int) -> float:
+    cfg = hf_config(shape)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, kv, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    per_layer = hidden * (heads + 2 * kv) * dim + heads * dim * hidden + \
+        3 * hidden * cfg["intermediate_size"]
+    linear = 2 * layers * per_layer * tokens + 2 * hidden * cfg["vocab_size"]
+    attention = 4 * layers * heads * dim * tokens * (tokens + 1) / 2
+    return linear + attention
+
+
+def bench_prefill() -> dict[str, dict[str, float]]:
+    loaded = random_model("qwen3-8b", DEVICE)
+    core, events = make_engine(loaded, max_concurrency=8, max_batched_tokens=8192,
+                               max_context=40960)
+    rng = random.Random(2)
+    _submit(core, "warm", _random_prompt(rng, 1024), 1)
+    _drain(core)
+    results = {}
+    for length in (1024, 8192, 32768):
+        prompt = _random_prompt(rng, length)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        _submit(core, f"p{length}", prompt, 1)
+        _drain(core)
+        ttft = time.perf_counter() - started
+        flops = _prefill_flops("qwen3-8b", length)
+        results[str(length)] = {"ttft_s": ttft, "tok_s": length / ttft,
+                                "tflops": flops / ttft / 1e12,
+                                "share_of_gemm_peak": flops / ttft / RESULTS["gemm_flops"]}
+    _free(core, events, loaded)
+    return results
+
+
+def bench_transformers() -> dict[str, Any]:
+    import transformers
+
+    results: dict[str, Any] = {}
+    for shape in ("qwen3-0.6b", "qwen3-8b"):
+        config = transformers.Qwen3Config(**{k: v for k, v in hf_config(shape).items()
+                                             if k not in ("architectures", "torch_dtype")})
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device(DEVICE):
+            model = transformers.Qwen3ForCausalLM(config).eval()
+        torch.set_default_dtype(torch.float32)
+        prompt = torch.randint(0, QWEN3_TEXT_VOCAB, (1, 32), device=DEVICE)
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            model.generate(prompt, max_new_tokens=128, min_new_tokens=128, do_sample=False)
+            torch.cuda.synchronize()
+            entry: dict[str, Any] = {"decode_tok_s": 128 / (time.perf_counter() - started)}
+            if shape == "qwen3-8b":
+                for length in (1024, 8192, 32768):
+                    ids = torch.randint(0, QWEN3_TEXT_VOCAB, (1, length), device=DEVICE)
+                    model(ids[:, :128], logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    model(ids, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    seconds = time.perf_counter() - started
+                    entry[f"prefill_{length}"] = {"ttft_s": seconds, "tok_s": length / seconds}
+        results[shape] = entry
+        _free(model)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="decode,throughput,prefill,hf")
+    parts = set(parser.parse_args().only.split(","))
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["date"] = time.strftime("%Y-%m-%d")
+    RESULTS["copy_bandwidth_Bps"] = copy_bandwidth(DEVICE)
+    RESULTS["gemm_flops"] = matmul_flops(DEVICE)
+    if "decode" in parts:
+        RESULTS["decode"] = {shape: bench_decode(shape) for shape in ("qwen3-0.6b", "qwen3-8b")}
+        print(json.dumps(RESULTS["decode"]), flush=True)
+    if "throughput" in parts:
+        RESULTS["throughput"] = bench_throughput()
+        print(json.dumps(RESULTS["throughput"]), flush=True)
+    if "prefill" in parts:
+        RESULTS["prefill"] = bench_prefill()
+        print(json.dumps(RESULTS["prefill"]), flush=True)
+    if "hf" in parts:
+        RESULTS["transformers"] = bench_transformers()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_gpu_engine.json").write_text(json.dumps(RESULTS, indent=2))
+    print(f"\n{RESULTS['device']}: copy {RESULTS['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+          f"bf16 GEMM {RESULTS['gemm_flops'] / 1e12:.0f} TFLOP/s")
+    for shape, row in RESULTS.get("decode", {}).items():
+        hf = RESULTS.get("transformers", {}).get(shape, {}).get("decode_tok_s", float("nan"))
+        print(f"decode b=1 {shape}: {row['tok_s']:.0f} tok/s = {row['share']:.0%} of roofline "
+              f"{row['roofline_tok_s']:.0f}; transformers {hf:.1f} tok/s")
+    if "throughput" in RESULTS:
+        row = RESULTS["throughput"]
+        print(f"throughput 256 req 0.6b: {row['output_tok_s']:.0f} output tok/s "
+              f"({row['seconds']:.1f} s, {row['preemptions']} preemptions)")
+    for length, row in RESULTS.get("prefill", {}).items():
+        hf = RESULTS.get("transformers", {}).get("qwen3-8b", {}).get(f"prefill_{length}", {})
+        print(f"prefill 8b {length}: TTFT {row['ttft_s'] * 1e3:.0f} ms, {row['tok_s']:.0f} tok/s, "
+              f"{row['tflops']:.0f} TFLOP/s = {row['share_of_gemm_peak']:.0%} of GEMM peak; "
+              f"transformers {hf.get('ttft_s', float('nan')) * 1e3:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
