@@ -75,8 +75,9 @@ def assemble_engine(
     bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
     use_kernels = kernels_usable(device, dtype, model)
     if device.type == "cuda" and not use_kernels:
-        log.warning("our CUDA kernels need bfloat16 and head size 64 or 128 (got %s, %d): "
-                    "running the torch reference ops, without CUDA graphs", dtype, model.head_dim)
+        log.warning("our CUDA kernels need CuPy (pip install 'roundhouse[cuda13]' or "
+                    "'[cuda12]'), bfloat16 and head size 64 or 128 (this model: %s, %d): running "
+                    "the torch reference ops, without CUDA graphs", dtype, model.head_dim)
     sampler = Sampler(device, config.seed, use_kernel=use_kernels)
     served_context = config.max_context or model.max_position_embeddings
     runner = ModelRunner(

@@ -12,8 +12,10 @@ free). A step pads its batch up to the next captured size; padding rows write
 no KV (slot -1) and read one token of page 0. The decode attention kernel's
 split-K grid depends on an upper bound of the sequence lengths, so each batch
 size is captured for a few context buckets, and a step replays the smallest
-bucket that holds its longest sequence. Logits and sampling run eagerly after
-the replay (their inputs are only the sampled rows).
+bucket that holds its longest sequence. The graph ends with the logits of
+every row, written into one static float32 buffer shared by all graphs (a
+graph's own outputs would each stay allocated); sampling runs eagerly after
+the replay, since grammar masks and penalties change from step to step.
 
 Graphs point at the weights, KV and workspace addresses they were captured
 with: sleep() drops them and wake() captures them again.
@@ -54,7 +56,7 @@ def context_buckets(max_context: int) -> list[int]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [padded batch, H], written by each replay
+    logits: torch.Tensor  # float32 [padded batch, vocab], written by each replay
 
 
 class DecodeGraphs:
@@ -77,14 +79,18 @@ class DecodeGraphs:
         max_pages = -(-max_context // page_size)
         # Static inputs: every graph reads its rows of these.
         kw = {"device": device}
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, **kw)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, **kw)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, **kw)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, **kw)
         self.block_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, **kw)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, **kw)
+        # Token ids, positions and slots side by side, so one DMA moves them.
+        self._tokens = torch.zeros((3, max_batch), dtype=torch.int64, **kw)
+        self.input_ids, self.positions, self.slot_mapping = self._tokens
+        # Slot -1 writes no KV: the warm-up before capture (possibly after a
+        # wake, with kept prefix pages in the pool) must not touch any page.
+        self.slot_mapping.fill_(-1)
+        self.logits: torch.Tensor | None = None
         # Page-locked mirrors: one step's inputs are written here, then copied
-        # in four asynchronous DMAs.
+        # in three asynchronous DMAs.
         self._host_tokens = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=True)
         self._host_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=True)
         self._host_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32,
@@ -107,14 +113,20 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int, bucket: int) -> torch.Tensor:
-        return self.model.forward(self.input_ids[:batch], self.positions[:batch],
-                                  self._metadata(batch, bucket), self.kv_caches)
+        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch],
+                                    self._metadata(batch, bucket), self.kv_caches)
+        assert self.logits is not None
+        logits = self.logits[:batch]
+        logits.copy_(self.model.compute_logits(hidden))
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every (batch size, bucket); returns the seconds it took."""
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
+        self.logits = torch.empty((self.max_batch, self.model.config.vocab_size),
+                                  dtype=torch.float32, device=self.device)
         # Warm up eagerly once at the largest shape: cuBLAS picks its
         # algorithms and creates its workspace outside the capture.
         self._forward(self.max_batch, self.buckets[-1])
@@ -124,8 +136,8 @@ class DecodeGraphs:
             for bucket in reversed(self.buckets):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self._forward(batch, bucket)
-                self._graphs[(batch, bucket)] = _Graph(graph, hidden)
+                    logits = self._forward(batch, bucket)
+                self._graphs[(batch, bucket)] = _Graph(graph, logits)
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         seconds = time.perf_counter() - started
@@ -136,6 +148,7 @@ class DecodeGraphs:
 
     def release(self) -> None:
         self._graphs.clear()
+        self.logits = None
 
     @property
     def captured(self) -> bool:
@@ -145,9 +158,11 @@ class DecodeGraphs:
         return self.captured and inputs.is_decode and inputs.num_seqs <= self.max_batch
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replay the graph for a decode step; returns hidden states [B, H]
-        (a view of the graph's output: read it before the next replay)."""
+    def run(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph for a decode step; returns float32 logits [B, vocab]
+        (a view of the static buffer: use it before the next replay).
+        device_input_ids: the token ids as a device tensor (the samples of the
+        step before, not yet on the host) instead of inputs.input_ids."""
         batch = inputs.num_seqs
         padded = next(size for size in self.batch_sizes if size >= batch)
         longest = int(inputs.seq_lens.max())
@@ -167,9 +182,9 @@ class DecodeGraphs:
         tables = self._host_tables.numpy()
         tables[:batch, :width] = inputs.block_tables
         tables[batch:padded, 0] = 0
-        self.input_ids[:padded].copy_(self._host_tokens[0, :padded], non_blocking=True)
-        self.positions[:padded].copy_(self._host_tokens[1, :padded], non_blocking=True)
-        self.slot_mapping[:padded].copy_(self._host_tokens[2, :padded], non_blocking=True)
+        self._tokens.copy_(self._host_tokens, non_blocking=True)
+        if device_input_ids is not None:
+            self.input_ids[:batch].copy_(device_input_ids)
         self.seq_lens[:padded].copy_(self._host_lens[:padded], non_blocking=True)
         self.block_tables[:padded, :width].copy_(self._host_tables[:padded, :width],
                                                  non_blocking=True)
@@ -177,5 +192,5 @@ class DecodeGraphs:
         self._copies_done.record()
         entry = self._graphs[(padded, bucket)]
         entry.graph.replay()
-        return entry.hidden[:batch]
+        return entry.logits[:batch]
 

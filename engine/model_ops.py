@@ -4,8 +4,9 @@ ReferenceOps runs kernels.reference (pure torch): the CPU path, any dtype, and
 CUDA in float32/float16. CudaOps runs our CUDA kernels (bf16 on a GPU): RMSNorm
 with the residual add fused in, RoPE fused with Qwen3's q/k norms and the KV
 cache write, SwiGLU, and paged attention (a split-K decode kernel for decode
-steps, a tensor-core prefill kernel for steps with prompt chunks). GEMMs stay
-with torch (cuBLAS) in both.
+steps, a tensor-core prefill kernel for steps with prompt chunks). GEMMs are
+torch's (cuBLAS), except the projections of steps with at most 8 rows, which
+a bandwidth-bound skinny GEMM kernel does (kernels/skinny_gemm.py).
 
 A decode step on CudaOps reads nothing on the host and allocates only torch
 intermediates, so it can be captured into a CUDA graph (engine/cuda_graphs.py).
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
 from kernels import reference
@@ -28,6 +30,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class ReferenceOps:
     name = "reference"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return reference.rms_norm(x, weight, eps)
@@ -91,6 +97,17 @@ class CudaOps(ReferenceOps):
         return sum(t.numel() * t.element_size() for t in vars(self.workspace).values()
                    if isinstance(t, torch.Tensor))
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        from kernels.skinny_gemm import skinny_linear, skinny_linear_supported
+
+        # NOTE: for a few rows (decode) cuBLAS reaches about a quarter of the
+        # memory bandwidth on these matrix sizes; our kernel streams the
+        # weights at close to the copy rate. Larger batches stay with cuBLAS.
+        if skinny_linear_supported(x, weight) and _skinny_wins(x.shape[0], weight.numel()):
+            return skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from kernels.norm import rms_norm
 
@@ -143,6 +160,14 @@ class CudaOps(ReferenceOps):
                 scale, meta.max_query_len,
             )
         return out.view(qkv.shape[0], config.q_size)
+
+
+def _skinny_wins(rows: int, weight_elements: int) -> bool:
+    """Where the skinny kernel beat cuBLAS on the H200 (bench_skinny_gemm.py,
+    docs/performance.md): matrices up to 16M elements (Qwen3-0.6B's, Qwen3-8B's
+    attention projections) at 1..8 rows, up to 32M at one or two rows. On
+    larger ones cuBLAS streams at 80-95% of the copy rate and wins."""
+    return weight_elements <= 16 << 20 or (rows <= 2 and weight_elements <= 32 << 20)
 
 
 REFERENCE_OPS = ReferenceOps()

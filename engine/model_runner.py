@@ -19,6 +19,12 @@ from pathlib import Path
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.decode_lookahead import (
+    LaunchedStep,
+    inputs_key,
+    next_decode_inputs,
+    scheduled_key,
+)
 from engine.device_state import (
     DroppedWeights,
     KVCache,
@@ -82,6 +88,10 @@ class ModelRunner:
         self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv() if num_pages else []
         self.graphs: DecodeGraphs | None = None
+        # A decode step launched ahead of the host (engine/decode_lookahead.py).
+        self._launched: LaunchedStep | None = None
+        self._host_tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        self._host_turn = 0
         self._sleeping: _Sleeping | None = None
 
     def _make_ops(self) -> ReferenceOps:
@@ -131,6 +141,9 @@ class ModelRunner:
         if self._sleeping is not None:
             raise RuntimeError("the model runner is already asleep")
         pin = self.device.type == "cuda"
+        self._launched = None
+        if pin:
+            torch.cuda.synchronize(self.device)  # nothing may still replay a graph
         if self.graphs is not None:
             # Graphs hold the addresses of what is about to be freed.
             self.graphs.release()
@@ -186,19 +199,71 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, mask: TokenMask | None = None) -> list[int]:
         """Returns one sampled token per chunk whose `samples` is true, in order;
         mask (grammar rows) is indexed by those sampled rows."""
-        inputs = build_step_inputs(out, self.page_size)
+        launched, self._launched = self._launched, None
+        if launched is not None and mask is None and launched.key == scheduled_key(out):
+            # The step launched ahead is the one the scheduler wants.
+            inputs, tokens, host, done = launched.inputs, launched.tokens, launched.host, \
+                launched.done
+        else:
+            inputs = build_step_inputs(out, self.page_size)
+            logits = self._logits(inputs)
+            if logits is None:
+                return []
+            if self.graphs is None:
+                return self.sampler.sample(logits, inputs.sample_seqs, mask)
+            tokens = self.sampler.sample_on_device(logits, inputs.sample_seqs, mask)
+            host, done = self._to_host(tokens)
+        if self.graphs is not None:
+            self._launch_next(inputs, tokens)
+        done.synchronize()
+        return host[: tokens.numel()].tolist()
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """float32 logits of the rows that sample, or None if none does."""
+        if self.graphs is not None and self.graphs.handles(inputs):
+            # The graph computes every row's logits; decode rows all sample
+            # but for the rare one-token prompt chunk.
+            logits = self.graphs.run(inputs)
+            if not inputs.sample_rows:
+                return None
+            if len(inputs.sample_rows) < inputs.num_tokens:
+                logits = logits.index_select(0, self._rows(inputs.sample_rows))
+            return logits
         hidden = self._forward(inputs)
         if not inputs.sample_rows:
-            return []
+            return None
         if len(inputs.sample_rows) < inputs.num_tokens:
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64).to(self.device,
-                                                                           non_blocking=True)
-            hidden = hidden.index_select(0, rows)
-        logits = self.model.compute_logits(hidden)
-        return self.sampler.sample(logits, inputs.sample_seqs, mask)
+            hidden = hidden.index_select(0, self._rows(inputs.sample_rows))
+        return self.model.compute_logits(hidden)
+
+    def _launch_next(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
+        """Put the following decode step on the GPU behind this one (see
+        engine/decode_lookahead.py), when every row can simply go on."""
+        assert self.graphs is not None
+        following = next_decode_inputs(inputs, self.page_size, self.max_context)
+        if following is None or not self.graphs.handles(following):
+            return
+        logits = self.graphs.run(following, device_input_ids=tokens)
+        next_tokens = self.sampler.sample_on_device(logits, following.sample_seqs, ahead=1)
+        host, done = self._to_host(next_tokens)
+        self._launched = LaunchedStep(inputs_key(following), following, next_tokens, host, done)
+
+    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Copy tokens into the next of two page-locked buffers (one may still
+        be read for the step before) and mark when the copy is done."""
+        self._host_turn ^= 1
+        buffer = self._host_tokens[self._host_turn]
+        if buffer.numel() < tokens.numel():
+            buffer = torch.empty(max(tokens.numel(), 256), dtype=torch.int64, pin_memory=True)
+            self._host_tokens[self._host_turn] = buffer
+        buffer[: tokens.numel()].copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buffer, done
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.handles(inputs):
-            return self.graphs.run(inputs)
         input_ids, positions, meta = self._inputs.metadata(inputs)
         return self.model.forward(input_ids, positions, meta, self.kv_caches)

@@ -65,11 +65,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], mask: TokenMask | None = None) -> list[int]:
         """logits: float32 [N, vocab], row i belongs to seqs[i]; mask, if any,
         is applied first, so penalties and truncation see only allowed tokens."""
+        if self.use_kernel:
+            return self.sample_on_device(logits, seqs, mask).tolist()
         if mask is not None:
             mask.apply(logits)
         self._apply_penalties(logits, seqs)
-        if self.use_kernel and not all(seq.params.greedy for seq in seqs):
-            return self._sample_with_kernel(logits, seqs).tolist()
         result = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
@@ -78,14 +78,29 @@ class Sampler:
             result.index_copy_(0, rows, chosen)
         return result.tolist()
 
-    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                         mask: TokenMask | None = None, ahead: int = 0) -> torch.Tensor:
+        """The kernel path: int64 [N] tokens on the device, nothing waited for.
+        ahead: how many tokens each sequence will have gained by the step these
+        logits belong to (1 for a step launched before the previous one's
+        tokens reached the host), so its random stream stays where it would be."""
+        if mask is not None:
+            mask.apply(logits)
+        self._apply_penalties(logits, seqs)
+        if all(seq.params.greedy for seq in seqs):
+            return logits.argmax(dim=-1)
+        return self._sample_with_kernel(logits, seqs, ahead)
+
+    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                            ahead: int) -> torch.Tensor:
         from kernels.sampling import sample_tokens
 
         params = [seq.params for seq in seqs]
         # A greedy row is a row with temperature 0: the kernel takes its argmax.
         host = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p]
                              for p in params], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens]
+        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens + ahead]
                              for p, seq in zip(params, seqs, strict=True)], dtype=torch.int64)
         device = logits.device
         floats = host.to(device, non_blocking=True).T.contiguous()

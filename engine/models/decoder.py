@@ -43,7 +43,6 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.scale = config.head_dim**-0.5
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.qkv_weight = _weight(config.qkv_size, config.hidden_size, **kw)
         self.qkv_bias = _weight(config.qkv_size, **kw) if config.attention_bias else None
@@ -61,10 +60,10 @@ class Attention(nn.Module):
         rope_cache: torch.Tensor,
         ops: ReferenceOps,
     ) -> torch.Tensor:
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = ops.linear(hidden, self.qkv_weight, self.qkv_bias)
         out = ops.attention(self.config, qkv, positions, meta, kv_cache, rope_cache,
                             self.q_norm_weight, self.k_norm_weight)
-        return F.linear(out, self.o_weight, self.o_bias)
+        return ops.linear(out, self.o_weight, self.o_bias)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         q, kv = self.config.q_size, self.config.kv_size
@@ -96,7 +95,8 @@ class MLP(nn.Module):
         self.down_weight = _weight(config.hidden_size, config.intermediate_size, **kw)
 
     def forward(self, hidden: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+        return ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_weight)),
+                          self.down_weight)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size

@@ -1,0 +1,163 @@
+"""Skinny GEMM (GEMV with 1..8 rows) for decode steps: torch.nn.functional.linear
+for bf16 x [M, K], M <= 8, on the tensor cores at the speed of streaming the weight.
+
+At decode batch sizes a projection is memory-bound: each weight element is read
+from HBM once and used for every row of x. The kernel (kernels/csrc/skinny_gemm.cu)
+splits the weight into CTAs of 8 or 16 output rows by the whole of K, splits K
+between the CTA's warps so that every warp's loads are in flight at once, and
+sums the warps' float32 partials in shared memory in a fixed order
+(deterministic). Numerics: bf16 products accumulated in float32, + bias in
+float32, one rounding to bf16, as cuBLAS does for F.linear.
+
+CUDA-graph safe: with `out` given nothing is allocated, nothing syncs, and the
+launch grid depends only on the shapes (and the device's SM count).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+
+SKINNY_MAX_ROWS = 8
+
+_SOURCE = "skinny_gemm.cu"
+_VECTOR = 8  # bf16 per 16-byte access: K must be a multiple of it
+_STEP_K = 128  # K elements one warp covers per loop step (4 x 16 bytes per thread)
+_ROWS_PER_GROUP = 8  # weight rows per mma (its N dimension)
+# Warps per CTA: 8 when there are at least as many CTAs as SMs (several CTAs
+# then share an SM and the grid fills the chip); up to 32 (one 1024-thread CTA
+# per SM, only with one row group) when N is too small for that, so that
+# splitting K between more warps keeps more of the matrix in flight.
+_WARPS_MANY_CTAS = 8
+_WARPS_FEW_CTAS = 32
+# Keep the kernel's int32 index math (k offsets, steps * 128, row numbers of
+# the last CTA) far from overflow.
+_MAX_K = 2**30
+_MAX_N = 2**30
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _layout(rows: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(row groups per CTA, CTAs, warps per CTA, steps of 128 K) for weight [rows, k].
+
+    16 rows per CTA (two mma row groups sharing each x fragment, half the x
+    loads) when that still gives at least one CTA per SM, else 8 rows.
+    The steps are spread evenly over the warps: each warp does
+    ceil(steps / warps) of them, with no warp idle.
+    """
+    steps = -(-k // _STEP_K)
+    row_groups = 2 if -(-rows // (2 * _ROWS_PER_GROUP)) >= sms else 1
+    ctas = -(-rows // (row_groups * _ROWS_PER_GROUP))
+    # (Two row groups only come with ctas >= sms; their kernel takes <= 8 warps.)
+    max_warps = _WARPS_MANY_CTAS if ctas >= sms or row_groups == 2 else _WARPS_FEW_CTAS
+    steps_per_warp = -(-steps // max_warps)
+    warps = -(-steps // steps_per_warp)
+    return row_groups, ctas, warps, steps
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    # The kernel reads x and the weight in 16-byte vectors.
+    return tensor.data_ptr() % 16 == 0
+
+
+def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear takes (x, weight): a cheap host-side check of
+    shapes, dtypes, devices, layout and alignment only (no sync).
+
+    x must be bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, contiguous, 16-byte
+    aligned; weight bf16 [N, K], N >= 1, contiguous, 16-byte aligned, on x's
+    CUDA device; K a positive multiple of 8.
+    """
+    if not (x.is_cuda and weight.is_cuda and x.device == weight.device):
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if x.dim() != 2 or weight.dim() != 2:
+        return False
+    rows, k = x.shape
+    n, weight_k = weight.shape
+    if not 1 <= rows <= SKINNY_MAX_ROWS or weight_k != k or not 1 <= n <= _MAX_N:
+        return False
+    if k < _VECTOR or k % _VECTOR or k > _MAX_K:
+        return False
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        return False
+    return _aligned(x) and _aligned(weight)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a few rows.
+
+    x: bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, K a multiple of 8;
+    weight: bf16 [N, K] (torch's Linear layout); bias: optional bf16 [N].
+    Returns (or fills) out, bf16 [M, N] = x @ weight.T (+ bias), products of
+    bf16 accumulated in float32 and rounded to bf16 once. out must not overlap
+    the inputs. Raises ValueError for anything else (callers check
+    skinny_linear_supported and fall back to F.linear).
+    """
+    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+    check_cuda_tensor("weight", weight, dtype=torch.bfloat16, ndim=2, device=x.device)
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= rows <= SKINNY_MAX_ROWS:
+        raise ValueError(f"x must have 1 to {SKINNY_MAX_ROWS} rows, got {rows}")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight must be [N, {k}] to match x, got {tuple(weight.shape)}")
+    if k < _VECTOR or k % _VECTOR or k > _MAX_K:
+        raise ValueError(f"K must be a positive multiple of {_VECTOR} up to {_MAX_K}, got {k}")
+    if not 1 <= n <= _MAX_N:
+        raise ValueError(f"weight must have 1 to {_MAX_N} rows, got {n}")
+    if not _aligned(x):
+        raise ValueError("x must start at a 16-byte aligned address")
+    if not _aligned(weight):
+        raise ValueError("weight must start at a 16-byte aligned address")
+    if bias is not None:
+        check_cuda_tensor("bias", bias, dtype=torch.bfloat16, ndim=1, device=x.device)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
+    else:
+        check_cuda_tensor("out", out, dtype=torch.bfloat16, ndim=2, device=x.device)
+        if out.shape != (rows, n):
+            raise ValueError(f"out must be {(rows, n)}, got {tuple(out.shape)}")
+        # Other CTAs may still read x, the weight or the bias after one has
+        # written its outputs.
+        inputs = [x, weight] if bias is None else [x, weight, bias]
+        if any(_overlaps(out, tensor) for tensor in inputs):
+            raise ValueError("out must not overlap x, weight or bias")
+
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    row_groups, ctas, warps, steps = _layout(n, k, _sm_count(device_index))
+    kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}", device_index)
+    args = (
+        ptr(out),
+        ptr(x),
+        ptr(weight),
+        ptr(bias) if bias is not None else np.uint64(0),
+        np.int32(n),
+        np.int32(k),
+        np.int32(steps),
+    )
+    launch(kernel, (ctas,), (32 * warps,), args, x.device)
+    return out
