@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, context_buckets
 from engine.decode_lookahead import (
     LaunchedStep,
     inputs_key,
@@ -265,5 +265,12 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        input_ids, positions, meta = self._inputs.metadata(inputs)
+        bound = None
+        if self.use_kernels and inputs.is_decode:
+            # The decode kernel's split depends on this bound: an eager decode
+            # step uses the bucket its graph would, so graphs on and off
+            # compute the same numbers.
+            longest = int(inputs.seq_lens.max())
+            bound = next(b for b in context_buckets(self.max_context) if b >= longest)
+        input_ids, positions, meta = self._inputs.metadata(inputs, bound)
         return self.model.forward(input_ids, positions, meta, self.kv_caches)

@@ -130,8 +130,11 @@ class DeviceInputs:
         view.copy_(host)
         return view.to(self.device, non_blocking=True)
 
-    def metadata(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) on the device for an eager forward."""
+    def metadata(self, inputs: StepInputs, max_seq_len: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) on the device for an eager forward.
+        max_seq_len: a bound for the attention kernels to use instead of the
+        longest sequence (a decode step's context bucket, as its graph has)."""
         self.begin()
         meta = AttentionMetadata(
             query_start_loc=self.tensor("query_start_loc", inputs.query_start_loc),
@@ -139,7 +142,7 @@ class DeviceInputs:
             block_tables=self.tensor("block_tables", inputs.block_tables),
             slot_mapping=self.tensor("slot_mapping", inputs.slot_mapping),
             max_query_len=inputs.max_query_len,
-            max_seq_len=int(inputs.seq_lens.max()),
+            max_seq_len=max_seq_len or int(inputs.seq_lens.max()),
             query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
             seq_lens_host=tuple(inputs.seq_lens.tolist()),
         )
