@@ -292,12 +292,15 @@ def test_seeded_sampling_is_reproducible_with_graphs_and_without(tiny_qwen3_gpu:
     core, events = _engine(tiny_qwen3_gpu, cuda_graph=False)
     eager = _generate(core, events, {"s": prompt}, sampled)["s"]
     _release(core)
-    # In a batch the lm_head GEMM has more rows and cuBLAS rounds them
-    # differently, so `together` may part from `alone` at a near-tie (see the
-    # module docstring); alone, again and eager compute identical logits.
-    agree = next((i for i, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b), 16)
-    print(f"seeded sampling: alone and together agree on the first {agree} of 16 tokens")
-    assert alone == again == eager, {"alone": alone, "again": again, "eager": eager}
+    # In a batch the GEMMs have more rows, and `again` finds its prompt in the
+    # prefix cache and computes only its last tokens: cuBLAS rounds those
+    # shapes differently, so both may part from `alone` at a near-tie (see the
+    # module docstring). A fresh engine without graphs (and so without steps
+    # launched ahead) computes exactly what `alone` did.
+    for name, other in (("together", together), ("again", again)):
+        agree = next((i for i, (a, b) in enumerate(zip(alone, other, strict=True)) if a != b), 16)
+        print(f"seeded sampling: alone and {name} agree on the first {agree} of 16 tokens")
+    assert alone == eager, {"alone": alone, "eager": eager}
     assert unseeded != alone
 
 
