@@ -62,7 +62,8 @@ def next_decode_inputs(inputs: StepInputs, page_size: int, max_context: int) -> 
         if params.grammar is not None or params.has_penalties:
             return None
         # This step's token makes num_output + 1; the next step's, + 2.
-        if seq.num_output_tokens + 2 > params.max_tokens or position + 1 > max_context:
+        # The next step's token would sit at position + 1, inside the context.
+        if seq.num_output_tokens + 2 > params.max_tokens or position + 2 > max_context:
             return None
         if position // page_size >= len(seq.block_table):
             return None

@@ -54,16 +54,13 @@ class Subject:
     prompts: list[list[int]]
 
 
-def _qwen3_dir(target: Path, **shape: int) -> Path:
+def _random_model_dir(target: Path, config) -> Path:  # type: ignore[no-untyped-def]
+    """A random-weight bf16 model of a transformers config, with the Qwen3 tokenizer."""
     import transformers
 
-    config = transformers.Qwen3Config(
-        vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0,
-        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, **shape,
-    )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True)
     source = fixtures.qwen3_tokenizer()
     for name in fixtures.QWEN3_TOKENIZER_FILES:
@@ -71,24 +68,25 @@ def _qwen3_dir(target: Path, **shape: int) -> Path:
     return target
 
 
-def _llama_dir(target: Path) -> Path:
-    """A random Llama with SmolLM2-135M's shape and the Qwen3 tokenizer."""
+def _qwen3_dir(target: Path, **shape: int) -> Path:
     import transformers
 
-    config = transformers.LlamaConfig(
+    return _random_model_dir(target, transformers.Qwen3Config(
+        vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, **shape,
+    ))
+
+
+def _llama_dir(target: Path) -> Path:
+    """A random Llama with SmolLM2-135M's shape."""
+    import transformers
+
+    return _random_model_dir(target, transformers.LlamaConfig(
         vocab_size=151936, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
         rope_theta=100_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=151643, eos_token_id=151645,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(target, safe_serialization=True)
-    source = fixtures.qwen3_tokenizer()
-    for name in fixtures.QWEN3_TOKENIZER_FILES:
-        (target / name).write_bytes((source / name).read_bytes())
-    return target
+    ))
 
 
 def _prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
