@@ -114,8 +114,8 @@ def _prefill_step(tokens: int, max_batch: int, page_size: int) -> StepInputs:
 
 
 def _decode_step(batch: int, page_size: int) -> StepInputs:
-    first_free = 0
-    tables = (first_free + np.arange(batch, dtype=np.int32))[:, None]
+    # Every lane one token in a page of its own.
+    tables = np.arange(batch, dtype=np.int32)[:, None]
     return StepInputs(
         input_ids=np.ones(batch, dtype=np.int64),
         positions=np.zeros(batch, dtype=np.int64),
