@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.core import EngineCore
+from engine.device_state import model_tensors
 from engine.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
@@ -159,13 +160,8 @@ def assemble_engine(
 
 
 def loaded_weights_bytes(runner: ModelRunner) -> int:
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*runner.model.parameters(), *runner.model.buffers()]:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
+    """Device bytes of the weights and buffers (a tied lm_head once)."""
+    return sum(t.numel() * t.element_size() for t in model_tensors(runner.model).values())
 
 
 def _log_ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
@@ -183,7 +179,7 @@ def _log_ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: 
         activation_bytes=peaks.activation_bytes,
         workspace_bytes=ops.workspace_bytes() if isinstance(ops, CudaOps) else 0,
         graph_bytes=graphs.pool_bytes if graphs is not None else 0,
-        graph_count=len(graphs.batch_sizes) * len(graphs.buckets) if graphs is not None else 0,
+        graph_count=graphs.count if graphs is not None else 0,
         headroom_bytes=headroom_bytes,
         free_bytes=free,
     )

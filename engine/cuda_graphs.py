@@ -53,6 +53,11 @@ def context_buckets(max_context: int) -> list[int]:
     return sorted({bucket for bucket in CONTEXT_BUCKETS if bucket < max_context} | {max_context})
 
 
+def context_bucket(buckets: list[int], longest: int) -> int:
+    """The smallest bucket that holds a step whose longest sequence is `longest`."""
+    return next(bucket for bucket in buckets if bucket >= longest)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -151,6 +156,10 @@ class DecodeGraphs:
         self.logits = None
 
     @property
+    def count(self) -> int:
+        return len(self._graphs)
+
+    @property
     def captured(self) -> bool:
         return bool(self._graphs)
 
@@ -165,8 +174,7 @@ class DecodeGraphs:
         step before, not yet on the host) instead of inputs.input_ids."""
         batch = inputs.num_seqs
         padded = next(size for size in self.batch_sizes if size >= batch)
-        longest = int(inputs.seq_lens.max())
-        bucket = next(b for b in self.buckets if b >= longest)
+        bucket = context_bucket(self.buckets, int(inputs.seq_lens.max()))
         if self._copies_done is not None:
             self._copies_done.synchronize()  # the mirrors are free again
         tokens = self._host_tokens.numpy()

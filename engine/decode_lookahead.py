@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.scheduler import SchedulerOutput
-from engine.step_inputs import StepInputs
+from engine.step_inputs import StepInputs, block_tables_of, slots_of
 
 StepKey = tuple[tuple[str, int], ...]
 
@@ -67,13 +67,8 @@ def next_decode_inputs(inputs: StepInputs, page_size: int, max_context: int) -> 
             return None
         if position // page_size >= len(seq.block_table):
             return None
-    tables = np.zeros((len(positions), max(len(s.block_table) for s in inputs.sample_seqs)),
-                      dtype=np.int32)
-    for row, seq in enumerate(inputs.sample_seqs):
-        tables[row, : len(seq.block_table)] = seq.block_table
-    rows = np.arange(len(positions))
-    slots = tables[rows, positions // page_size].astype(np.int64) * page_size + \
-        positions % page_size
+    tables = block_tables_of(inputs.sample_seqs)
+    slots = slots_of(tables, np.arange(len(positions)), positions, page_size)
     return StepInputs(
         input_ids=np.zeros_like(inputs.input_ids),  # the device has them
         positions=positions,

@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
-from kernels import reference
+from kernels import activation, norm, reference
+from kernels.cuda_build import cuda_available
+from kernels.decode_attention import decode_workspace, paged_decode_attention
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.rope_cache import rope_and_cache
+from kernels.skinny_gemm import skinny_linear, skinny_linear_supported
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -85,8 +90,6 @@ class CudaOps(ReferenceOps):
 
     def __init__(self, config: ModelConfig, device: torch.device, decode_batch: int,
                  max_seq_len: int) -> None:
-        from kernels.decode_attention import decode_workspace
-
         self.device = device
         self.decode_batch = decode_batch
         self.max_seq_len = max_seq_len
@@ -99,33 +102,25 @@ class CudaOps(ReferenceOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        from kernels.skinny_gemm import skinny_linear, skinny_linear_supported
-
-        # NOTE: for a few rows (decode) cuBLAS reaches about a quarter of the
-        # memory bandwidth on these matrix sizes; our kernel streams the
-        # weights at close to the copy rate. Larger batches stay with cuBLAS.
+        # NOTE: for a few rows (decode) cuBLAS streams the smaller matrices at
+        # 8-50% of the copy rate (bench_skinny_gemm.py); our kernel beats it
+        # there. Larger batches and larger matrices stay with cuBLAS.
         if skinny_linear_supported(x, weight) and _skinny_wins(x.shape[0], weight.numel()):
             return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from kernels.norm import rms_norm
-
-        return rms_norm(x, weight, eps)
+        return norm.rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.norm import add_rms_norm
-
         # NOTE: the kernel writes x + residual into residual in place; the
         # residual stream is this forward pass's own tensor, never a weight.
-        return add_rms_norm(x, residual, weight, eps)
+        return norm.add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.activation import silu_and_mul
-
-        return silu_and_mul(x)
+        return activation.silu_and_mul(x)
 
     def attention(
         self,
@@ -138,10 +133,6 @@ class CudaOps(ReferenceOps):
         q_norm_weight: torch.Tensor | None,
         k_norm_weight: torch.Tensor | None,
     ) -> torch.Tensor:
-        from kernels.decode_attention import paged_decode_attention
-        from kernels.prefill_attention import paged_prefill_attention
-        from kernels.rope_cache import rope_and_cache
-
         k_cache, v_cache = kv_cache
         q = rope_and_cache(
             qkv, positions, rope_cache, k_cache, v_cache, meta.slot_mapping,
@@ -182,6 +173,4 @@ def kernels_usable(device: torch.device, dtype: torch.dtype, config: ModelConfig
     anything else takes the reference ops."""
     if device.type != "cuda" or dtype != torch.bfloat16 or config.head_dim not in KERNEL_HEAD_DIMS:
         return False
-    from kernels.cuda_build import cuda_available
-
     return cuda_available()

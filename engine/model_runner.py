@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, context_buckets
+from engine.cuda_graphs import DecodeGraphs, context_bucket, context_buckets
 from engine.decode_lookahead import (
     LaunchedStep,
     inputs_key,
@@ -270,7 +270,6 @@ class ModelRunner:
             # The decode kernel's split depends on this bound: an eager decode
             # step uses the bucket its graph would, so graphs on and off
             # compute the same numbers.
-            longest = int(inputs.seq_lens.max())
-            bound = next(b for b in context_buckets(self.max_context) if b >= longest)
+            bound = context_bucket(context_buckets(self.max_context), int(inputs.seq_lens.max()))
         input_ids, positions, meta = self._inputs.metadata(inputs, bound)
         return self.model.forward(input_ids, positions, meta, self.kv_caches)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sequence import Sequence
+from kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
     from engine.token_mask import TokenMask
@@ -94,8 +95,6 @@ class Sampler:
 
     def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence],
                             ahead: int) -> torch.Tensor:
-        from kernels.sampling import sample_tokens
-
         params = [seq.params for seq in seqs]
         # A greedy row is a row with temperature 0: the kernel takes its argmax.
         host = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p]

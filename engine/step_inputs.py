@@ -48,6 +48,22 @@ class StepInputs:
         return self.num_tokens == self.num_seqs
 
 
+def block_tables_of(seqs: list[Sequence]) -> np.ndarray:
+    """int32 [B, longest table] of the sequences' page ids; the tail is 0."""
+    tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+    for row, seq in enumerate(seqs):
+        tables[row, : len(seq.block_table)] = seq.block_table
+    return tables
+
+
+def slots_of(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+             page_size: int) -> np.ndarray:
+    """int64 cache slots of tokens at positions of the given block-table rows:
+    the page's id times the page size plus the offset in the page."""
+    pages = block_tables[rows, positions // page_size].astype(np.int64)
+    return pages * page_size + positions % page_size
+
+
 def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
     chunks = out.chunks
     num_seqs = len(chunks)
@@ -56,15 +72,12 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
     query_start = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start[1:])
     seq_lens = (starts + counts).astype(np.int32)
-    max_pages = max(len(c.seq.block_table) for c in chunks)
-    block_tables = np.zeros((num_seqs, max_pages), dtype=np.int32)
+    block_tables = block_tables_of([chunk.seq for chunk in chunks])
     input_ids: list[int] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
-        table = seq.block_table
-        block_tables[row, : len(table)] = table
         end = chunk.start + chunk.num_tokens
         if chunk.num_tokens == 1:
             input_ids.append(seq.token_ids[chunk.start])
@@ -73,13 +86,11 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
         if chunk.samples:
             sample_rows.append(int(query_start[row + 1]) - 1)
             sample_seqs.append(seq)
-    # Positions run from each chunk's start; a token's slot is its page's id
-    # times the page size plus its offset in the page.
+    # Positions run from each chunk's start.
     row_of_token = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(len(row_of_token), dtype=np.int64) - query_start[row_of_token] + \
         starts[row_of_token]
-    pages = block_tables[row_of_token, positions // page_size].astype(np.int64)
-    slots = pages * page_size + positions % page_size
+    slots = slots_of(block_tables, row_of_token, positions, page_size)
     return StepInputs(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,

@@ -52,14 +52,8 @@ def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel
 
 
 def weight_bytes(loaded: LoadedModel) -> int:
-    """Bytes of distinct weight tensors (a tied lm_head counts once)."""
-    seen: set[int] = set()
-    total = 0
-    for param in loaded.model.parameters():
-        if param.data_ptr() not in seen:
-            seen.add(param.data_ptr())
-            total += param.numel() * param.element_size()
-    return total
+    """Bytes of the weights (parameters() yields a tied lm_head once)."""
+    return sum(param.numel() * param.element_size() for param in loaded.model.parameters())
 
 
 def decode_step_bytes(loaded: LoadedModel) -> int:
