@@ -3,54 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from router.anthropic.routes import ROUTES as ANTHROPIC_ROUTES
-from router.http import models_api
 from router.http.auth import KEY_STORE, KeyStore, auth_middleware
 from router.http.cors import add_cors_headers, cors_middleware
 from router.http.errors import error_middleware
 from router.http.keys import MANAGER, STARTED
-from router.http.metrics_route import add_routes as add_metrics_routes
+from router.http.metrics_route import attach_metrics
 from router.http.observe import observe_middleware
 from router.http.readiness import readiness_middleware
-from router.http.status import health, load, stats
+from router.http.routes import ROUTES, add_routes
 from router.http.token_count_gate import token_count_gate
 from router.lifecycle import ModelManager
-from router.llamacpp.routes import add_routes as add_llamacpp_routes
-from router.openai.chat import chat_completions
-from router.openai.completions import completions
-from router.responses.routes import ROUTES as RESPONSES_ROUTES
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-ROUTES: list[tuple[str, str, Handler]] = [
-    ("GET", "/health", health),
-    ("GET", "/v1/health", health),
-    ("GET", "/v1/load", load),
-    ("GET", "/stats", stats),
-    ("GET", "/models", models_api.list_models),
-    ("GET", "/v1/models", models_api.list_models),
-    ("POST", "/models/load", models_api.load_model),
-    ("POST", "/models/unload", models_api.unload_model),
-    ("POST", "/models/sleep", models_api.sleep_model),
-    ("GET", "/models/sse", models_api.model_events),
-    ("POST", "/v1/chat/completions", chat_completions),
-    ("POST", "/chat/completions", chat_completions),
-    ("POST", "/v1/completions", completions),
-]
-
-
-def add_routes(app: web.Application, routes: list[tuple[str, str, Handler]]) -> None:
-    """Register routes; every /v1/... path also answers under /v1/v1/... for
-    clients whose base URL already ends in /v1."""
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler)
-        if path.startswith("/v1/"):
-            app.router.add_route(method, "/v1" + path, handler)
 
 
 def create_app(manager: ModelManager) -> web.Application:
@@ -81,9 +47,8 @@ def create_app(manager: ModelManager) -> web.Application:
     app[MANAGER] = manager
     app[KEY_STORE] = keys
     app[STARTED] = int(time.time())
-    add_routes(app, ROUTES + RESPONSES_ROUTES + ANTHROPIC_ROUTES)
-    add_llamacpp_routes(app)
-    add_metrics_routes(app)
+    attach_metrics(app)
+    add_routes(app, ROUTES)
 
     async def stop_engines(_: web.Application) -> None:
         await manager.close()

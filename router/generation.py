@@ -18,7 +18,7 @@ from typing import Any
 
 from protocol import SamplingParams
 from router.engine_client import EngineClient, EngineFailure, RequestStream
-from router.http.errors import ApiError
+from router.errors import ContextLengthExceeded
 from router.observability.records import RequestRecord, current_record
 from router.text.detokenizer import IncrementalDetokenizer
 from router.text.model_text import ModelText
@@ -33,12 +33,11 @@ def check_context(prompt_ids: Sequence[int], max_context: int, param: str = "mes
     """OpenAI's context_length_exceeded error when the prompt leaves no room
     for even one generated token."""
     if len(prompt_ids) >= max_context:
-        raise ApiError(
-            400,
+        raise ContextLengthExceeded(
             f"This model's maximum context length is {max_context} tokens. However, your "
             f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
             "Please reduce the length of the input.",
-            code="context_length_exceeded", param=param,
+            n_prompt_tokens=len(prompt_ids), n_ctx=max_context, param=param,
         )
 
 

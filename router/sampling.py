@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from protocol import GrammarSpec, SamplingParams
-from router.http.errors import invalid
+from router.errors import invalid
 from router.settings import SamplingOverrides
 
 log = logging.getLogger(__name__)

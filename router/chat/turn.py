@@ -29,8 +29,8 @@ from router.chat.events import (
 )
 from router.chat.request import ChatRequest, NamedTool
 from router.chat.tool_grammar import answer_grammar, forced_tool_grammar
+from router.errors import invalid
 from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
-from router.http.errors import invalid
 from router.lifecycle import ModelManager, ModelSlot
 from router.observability.records import current_record
 from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format

@@ -35,6 +35,7 @@ from router import env
 from router.config import ServeConfig
 from router.http.cors import is_preflight
 from router.http.errors import ApiError
+from router.http.route_info import Access, route_of
 from router.observability.records import current_record
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,6 @@ _KEY = re.compile(r"[\x21-\x7e]+\Z")
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 # A comment starts a line or follows whitespace, so a key may hold a '#'.
 _COMMENT = re.compile(r"(?:^|\s)#.*")
-
-# Routes that never need a key (canonical paths, GET only): load balancers
-# probe /health, and it says no more than {"status": "ok"}.
-OPEN_ROUTES = frozenset({"/health", "/v1/health", "/v1/v1/health"})
-METRICS_ROUTES = frozenset({"/metrics"})
 
 # What identifies one version of the key file: device, inode, size, mtime and
 # ctime (a chmod changes only the ctime, and it can make the file valid again).
@@ -277,21 +273,21 @@ def _unauthorized(message: str, code: str) -> ApiError:
                     headers={"WWW-Authenticate": "Bearer"})
 
 
-def _route(request: web.Request) -> str | None:
-    # The matched route, not the raw path: only the health handler itself is open.
-    resource = request.match_info.route.resource
-    return None if resource is None else resource.canonical
+def _is_open(request: web.Request, metrics_open: bool) -> bool:
+    """The route table's access rule for the matched route (not the raw path):
+    health probes are open; /metrics with --metrics-open."""
+    route = route_of(request)
+    if route is None:
+        return False
+    return route.access is Access.OPEN or (route.access is Access.METRICS and metrics_open)
 
 
 def auth_middleware(store: KeyStore, *, metrics_open: bool) -> Middleware:
     """Asks for a key on every route but the open ones. It runs inside the
     error middleware, so a 401 comes in the route's own error shape."""
-    open_routes = (OPEN_ROUTES | METRICS_ROUTES) if metrics_open else OPEN_ROUTES
-
     @web.middleware
     async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
-        if (not store.enabled or is_preflight(request)
-                or (request.method == "GET" and _route(request) in open_routes)):
+        if not store.enabled or is_preflight(request) or _is_open(request, metrics_open):
             return await handler(request)
         store.refresh()
         keys = presented_keys(request)

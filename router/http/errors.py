@@ -1,15 +1,16 @@
-"""API errors and the one middleware that turns exceptions into responses.
+"""The one place where errors become responses.
 
-Handlers raise ApiError; the middleware renders it in the error shape of the
-API family the route belongs to: Anthropic's for /v1/messages..., OpenAI's
-for the rest of /v1/... (and the unversioned /chat/completions), llama.cpp's
-for its native routes (/health, /models, /completion, ...). Anything else
-becomes a logged 500 and the server keeps going.
+Domain code raises router.errors.RouterError (a kind, a code, a param); HTTP
+handlers may raise ApiError, a RouterError with an explicit status. The
+middleware maps either to a status and renders it in the error shape of the
+API the matched route belongs to (router/http/routes.py says which: OpenAI,
+Anthropic or llama.cpp); only a path that matched no route has its shape
+guessed from the path. Anything else becomes a logged 500 and the server
+keeps going.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import uuid
 from typing import Any
@@ -17,10 +18,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from router.errors import ErrorKind, RouterError, invalid
+from router.http.route_info import Api, api_of
+
 log = logging.getLogger(__name__)
 
 
-class ApiError(Exception):
+class ApiError(RouterError):
+    """An error with its HTTP status decided: raised by HTTP handlers, and
+    what every RouterError becomes (api_error) before it is rendered."""
+
     def __init__(
         self,
         status: int,
@@ -30,14 +37,38 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ):
-        super().__init__(message)
+        super().__init__(message, code=code, param=param, details=details)
         self.status = status
-        self.message = message
         self.type = type or default_type(status)
-        self.code = code
-        self.param = param
         self.headers = headers or {}
+
+
+_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.FORBIDDEN: 403,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.NOT_ALLOWED: 405,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.INTERNAL: 500,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.TIMEOUT: 503,
+}
+
+
+def api_error(error: RouterError) -> ApiError:
+    """A domain error with its status: the one mapping from kinds to HTTP."""
+    if isinstance(error, ApiError):
+        return error
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(error.retry_after)))
+    return ApiError(_STATUS[error.kind], error.message, code=error.code, param=error.param,
+                    headers=headers, details=error.details)
 
 
 def default_type(status: int) -> str:
@@ -52,30 +83,6 @@ def default_type(status: int) -> str:
     if status >= 500:
         return "server_error"
     return "invalid_request_error"
-
-
-def invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, type="invalid_request_error", code=code, param=param)
-
-
-class ErrorShape(enum.Enum):
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
-    LLAMACPP = "llamacpp"
-
-
-_OPENAI_UNVERSIONED = ("/chat/completions", "/embeddings")
-
-
-def shape_for(path: str) -> ErrorShape:
-    # Clients given the wrong base URL call /v1/v1/...; they get the same API.
-    if path.startswith("/v1/v1/"):
-        path = path[3:]
-    if path.startswith("/v1/messages"):
-        return ErrorShape.ANTHROPIC
-    if path.startswith("/v1/") or path in _OPENAI_UNVERSIONED:
-        return ErrorShape.OPENAI
-    return ErrorShape.LLAMACPP
 
 
 _ANTHROPIC_TYPES = {
@@ -117,6 +124,7 @@ def llamacpp_error_body(error: ApiError) -> dict[str, Any]:
     body: dict[str, Any] = {"code": error.status, "message": error.message, "type": error.type}
     if error.code:
         body["reason"] = error.code
+    body.update(error.details)
     return {"error": body}
 
 
@@ -131,22 +139,23 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def error_response(error: ApiError, shape: ErrorShape = ErrorShape.OPENAI) -> web.Response:
-    if shape is ErrorShape.ANTHROPIC:
+def error_response(error: ApiError, shape: Api = Api.OPENAI) -> web.Response:
+    if shape is Api.ANTHROPIC:
         request_id = new_anthropic_request_id()
         return web.json_response(anthropic_error_body(error, request_id),
                                  status=anthropic_status(error),
                                  headers={**error.headers, "request-id": request_id})
-    body = openai_error_body(error) if shape is ErrorShape.OPENAI else llamacpp_error_body(error)
+    body = openai_error_body(error) if shape is Api.OPENAI else llamacpp_error_body(error)
     return web.json_response(body, status=error.status, headers=error.headers)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    shape = shape_for(request.path)
+    shape = api_of(request)
     try:
         return await handler(request)
-    except ApiError as error:
+    except RouterError as domain_error:
+        error = api_error(domain_error)
         if error.status >= 500:
             # Polls during a single model's start-up are expected, not news.
             level = logging.DEBUG if error.code == "model_loading" else logging.WARNING
@@ -166,7 +175,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _render(request, error, shape)
 
 
-def _render(request: web.Request, error: ApiError, shape: ErrorShape) -> web.Response:
+def _render(request: web.Request, error: ApiError, shape: Api) -> web.Response:
     # The request's record (router/http/observe.py) learns why it failed.
     from router.observability.records import RECORD
 

@@ -19,14 +19,13 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def add_routes(app: web.Application) -> None:
-    """Create the app's metrics, subscribe them to its manager's events and
-    serve them."""
+def attach_metrics(app: web.Application) -> None:
+    """Create the app's metrics and subscribe them to its manager's events
+    (router/http/routes.py serves them)."""
     manager = app[MANAGER]
     metrics = ServerMetrics(manager)
     metrics.subscribe(manager.observers)
     app[METRICS] = metrics
-    app.router.add_get("/metrics", serve_metrics)
 
 
 async def serve_metrics(request: web.Request) -> web.Response:

@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from router.http.errors import shape_for
 from router.http.keys import MANAGER
+from router.http.route_info import api_of
 from router.observability.records import RECORD, RequestRecord, current_record
 
 OBSERVED_METHODS = ("POST", "DELETE")
@@ -29,7 +29,7 @@ async def observe_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return await handler(request)
     observers = request.app[MANAGER].observers
     record = RequestRecord(method=request.method, route=request.path,
-                           api=shape_for(request.path).value, observers=observers)
+                           api=api_of(request).value, observers=observers)
     request[RECORD] = record
     token = current_record.set(record)
     observers.request_started(record)

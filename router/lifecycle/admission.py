@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from router.http.errors import ApiError
+from router.errors import Overloaded, QueueTimeout
 
 
 @dataclass(eq=False)
@@ -44,9 +44,9 @@ class LaneQueue:
             self._take()
             return
         if len(self._waiters) >= max_pending:
-            raise ApiError(429, f"the model's {lanes} lanes are busy and {len(self._waiters)} "
-                           "requests already wait; try again shortly", code="server_overloaded",
-                           headers={"Retry-After": "1"})
+            raise Overloaded(f"the model's {lanes} lanes are busy and {len(self._waiters)} "
+                             "requests already wait; try again shortly", code="server_overloaded",
+                             retry_after=1)
         waiter = _Waiter(asyncio.get_running_loop().create_future(), time.monotonic())
         self._waiters.append(waiter)
         try:
@@ -59,9 +59,9 @@ class LaneQueue:
                 # timed out or its client left: pass it on.
                 self.leave(lanes)
             if isinstance(exc, TimeoutError):
-                raise ApiError(503, "the request waited too long for a free lane "
-                               "(--pending-timeout-ms)", code="request_queue_timeout",
-                               headers={"Retry-After": "1"}) from None
+                raise QueueTimeout("the request waited too long for a free lane "
+                                   "(--pending-timeout-ms)", code="request_queue_timeout",
+                                   retry_after=1) from None
             raise
 
     def leave(self, lanes: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from router.catalog import Catalog
 from router.config import ServeConfig
-from router.http.errors import ApiError
+from router.errors import Conflict, InvalidRequest, RouterError, Unavailable, model_not_found
 from router.lifecycle.events import ModelEvents
 from router.lifecycle.room import RoomKeeping, RoomWaiter
 from router.lifecycle.slot import ModelSlot, ModelState
@@ -79,16 +79,15 @@ class ModelManager(RoomKeeping, Transitions):
         if name:
             entry = self.catalog.find(name)
             if entry is None:
-                raise ApiError(404, f"model '{name}' not found; GET /models lists the models",
-                               code="model_not_found", param="model")
+                raise model_not_found(name)
             return self.slots[entry.id]
         loaded = [s for s in self.slots.values() if s.state is S.LOADED]
         if loaded:
             return max(loaded, key=lambda s: s.last_used)
         if len(self.slots) == 1:
             return next(iter(self.slots.values()))
-        raise ApiError(400, "this server holds several models and none is loaded: name one in 'model'",
-                       code="missing_required_parameter", param="model")
+        raise InvalidRequest("this server holds several models and none is loaded: name one in "
+                             "'model'", code="missing_required_parameter", param="model")
 
     async def text_for(self, slot: ModelSlot) -> ModelText:
         """Tokenizer and template, read from the model's files without loading it."""
@@ -98,8 +97,8 @@ class ModelManager(RoomKeeping, Transitions):
                     try:
                         slot.text = await asyncio.to_thread(ModelText.load, slot.entry.path)
                     except (OSError, ValueError) as exc:
-                        raise ApiError(503, f"model '{slot.id}' has no usable tokenizer: {exc}",
-                                       code="model_load_failed") from exc
+                        raise Unavailable(f"model '{slot.id}' has no usable tokenizer: {exc}",
+                                          code="model_load_failed") from exc
         return slot.text
 
     def sampling_defaults(self, slot: ModelSlot) -> SamplingDefaults:
@@ -164,8 +163,8 @@ class ModelManager(RoomKeeping, Transitions):
                 slot.last_used = time.monotonic()
                 return
             if state is S.UNLOADED and not autoload:
-                raise ApiError(503, f"model '{slot.id}' is not loaded and autoload is off; "
-                               "POST /models/load loads it", code="model_not_loaded")
+                raise Unavailable(f"model '{slot.id}' is not loaded and autoload is off; "
+                                  "POST /models/load loads it", code="model_not_loaded")
             await self._bring_up(slot, deadline)
 
     async def load(self, slot: ModelSlot) -> None:
@@ -197,8 +196,8 @@ class ModelManager(RoomKeeping, Transitions):
                 try:
                     await asyncio.shield(slot.task)
                 except ModelLoadFailed as exc:
-                    raise ApiError(503, f"model '{slot.id}' failed to load: {exc}",
-                                   code="model_load_failed") from None
+                    raise Unavailable(f"model '{slot.id}' failed to load: {exc}",
+                                      code="model_load_failed") from None
             else:  # SUSPENDING or UNLOADING: let it settle first
                 await self._wait_change()
 
@@ -226,10 +225,10 @@ class ModelManager(RoomKeeping, Transitions):
                 await self._settle(slot)
                 return
             if state in (S.UNLOADED, S.UNLOADING):
-                raise ApiError(409, f"model '{slot.id}' is not loaded", code="model_not_loaded")
+                raise Conflict(f"model '{slot.id}' is not loaded", code="model_not_loaded")
             if slot.in_flight or slot.pending:
                 busy = slot.in_flight + slot.pending
-                raise ApiError(409, f"model '{slot.id}' has {busy} request(s) in flight or waiting; "
+                raise Conflict(f"model '{slot.id}' has {busy} request(s) in flight or waiting; "
                                "try again when it is idle", code="model_busy")
             if state is S.LOADED:
                 self._start(slot, S.SUSPENDING, self._sleep(slot))
@@ -289,8 +288,7 @@ class ModelManager(RoomKeeping, Transitions):
 
     def _check_open(self) -> None:
         if self.shutting_down:
-            raise ApiError(503, "the server is shutting down", code="shutting_down",
-                           headers={"Retry-After": "5"})
+            raise Unavailable("the server is shutting down", code="shutting_down", retry_after=5)
 
     # ---- start-up and shutdown ---------------------------------------------------------
 
@@ -307,7 +305,7 @@ class ModelManager(RoomKeeping, Transitions):
     async def _load_in_background(self, slot: ModelSlot) -> None:
         try:
             await self.load(slot)
-        except ApiError as exc:
+        except RouterError as exc:
             log.error("loading %s at start-up failed: %s", slot.id, exc.message)
 
     def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -320,8 +318,8 @@ class ModelManager(RoomKeeping, Transitions):
         self.shutting_down = True
         for waiter in self._waiters:
             if not waiter.granted.done():
-                waiter.granted.set_exception(ApiError(
-                    503, "the server is shutting down", code="shutting_down"))
+                waiter.granted.set_exception(Unavailable(
+                    "the server is shutting down", code="shutting_down", retry_after=5))
         self._waiters.clear()
         self._changed()
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.http.errors import ApiError
+from router.errors import QueueTimeout
 from router.lifecycle.slot import ModelSlot, ModelState
 
 if TYPE_CHECKING:
@@ -41,10 +41,10 @@ class RoomKeeping:
             await asyncio.wait_for(asyncio.shield(waiter.granted), max(deadline - time.monotonic(), 0))
         except TimeoutError:
             limit = self.config.models_max
-            raise ApiError(
-                503, f"every model slot is busy (--models-max {limit}); waited "
+            raise QueueTimeout(
+                f"every model slot is busy (--models-max {limit}); waited "
                 f"{self.config.pending_timeout_ms} ms for one", code="models_busy",
-                headers={"Retry-After": "1"},
+                retry_after=1,
             ) from None
         finally:
             if waiter in self._waiters:

@@ -19,6 +19,7 @@ from aiohttp import web
 from router.chat.request import ChatRequest
 from router.chat.turn import PreparedTurn, prepare_turn, start_turn
 from router.engine_client import EngineFailure
+from router.errors import RouterError
 from router.http.errors import ApiError, decode_body, invalid
 from router.http.keys import MANAGER
 from router.openai.common import autoload, engine_error
@@ -37,7 +38,7 @@ def _about_input() -> Iterator[None]:
     (a template that refuses them, a prompt too long); here they are `input`."""
     try:
         yield
-    except ApiError as error:
+    except RouterError as error:
         if error.param == "messages":
             error.param = "input"
         raise

@@ -24,6 +24,8 @@ from router.http.auth import (
     parse_key_file,
 )
 from router.http.errors import error_middleware
+from router.http.route_info import Access, Api, Route
+from router.http.routes import add_routes
 from router.observability.records import RequestRecord, current_record
 
 KEY_FILE = """\
@@ -289,10 +291,15 @@ async def _with_record(request: web.Request, handler: Any) -> web.StreamResponse
 def app_with(store: KeyStore, *, metrics_open: bool = False) -> web.Application:
     app = web.Application(middlewares=[_with_record, error_middleware,
                                        auth_middleware(store, metrics_open=metrics_open)])
-    for method, path in [("POST", "/v1/chat/completions"), ("POST", "/v1/messages"),
-                         ("POST", "/completion"), ("GET", "/health"), ("GET", "/v1/health"),
-                         ("GET", "/metrics"), ("GET", "/models")]:
-        app.router.add_route(method, path, _ok)
+    add_routes(app, [
+        Route("POST", "/v1/chat/completions", _ok, Api.OPENAI),
+        Route("POST", "/v1/messages", _ok, Api.ANTHROPIC),
+        Route("POST", "/completion", _ok, Api.LLAMACPP),
+        Route("GET", "/health", _ok, Api.LLAMACPP, Access.OPEN),
+        Route("GET", "/v1/health", _ok, Api.OPENAI, Access.OPEN),
+        Route("GET", "/metrics", _ok, Api.LLAMACPP, Access.METRICS),
+        Route("GET", "/models", _ok, Api.LLAMACPP),
+    ])
     return app
 
 

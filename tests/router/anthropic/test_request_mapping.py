@@ -12,7 +12,8 @@ from router.anthropic.conversation import TOOL_ERROR_PREFIX
 from router.anthropic.request import chat_request, messages_request
 from router.anthropic.schemas import CountTokensRequest, MessagesRequest
 from router.chat.request import NamedTool
-from router.http.errors import ApiError, decode_body
+from router.errors import RouterError
+from router.http.errors import ApiError, api_error, decode_body
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -24,9 +25,9 @@ def make(**fields: Any) -> MessagesRequest:
 
 
 def refused(**fields: Any) -> ApiError:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(RouterError) as caught:
         messages_request(make(**fields))
-    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
+    assert api_error(caught.value).status == 400 and api_error(caught.value).type == "invalid_request_error"
     return caught.value
 
 
@@ -180,7 +181,7 @@ def test_the_server_tool_is_named() -> None:
 
 
 def test_missing_max_tokens_names_it() -> None:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(RouterError) as caught:
         decode_body(b'{"model": "m", "messages": []}', MessagesRequest)
     assert caught.value.param == "max_tokens" and caught.value.code == "missing_required_parameter"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.http.errors import ApiError
+from router.errors import RouterError
+from router.http.errors import api_error
 from router.llamacpp.params import DEFAULT_SAMPLERS, completion_settings, sampler_chain
 from router.llamacpp.schemas import CompletionRequest
 
@@ -45,7 +46,7 @@ def test_the_penalty_window_is_llama_cpps() -> None:
     assert completion_settings(request(repeat_penalty=1.1, repeat_last_n=16)).sampling.penalty_last_n == 16
     whole = completion_settings(request(repeat_penalty=1.1, repeat_last_n=-1)).sampling.penalty_last_n
     assert whole >= 1 << 30
-    with pytest.raises(ApiError):
+    with pytest.raises(RouterError):
         completion_settings(request(repeat_last_n=-2))
 
 
@@ -69,9 +70,9 @@ def test_settings_that_change_nothing_are_accepted(fields: dict[str, object]) ->
     ({"adaptive_target": 0.5}, "adaptive_target"),
 ])
 def test_settings_we_cannot_honour_are_refused(fields: dict[str, object], field: str) -> None:
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(RouterError) as refused:
         completion_settings(request(**fields))
-    assert refused.value.status == 400 and refused.value.code == f"{field}_not_supported"
+    assert api_error(refused.value).status == 400 and refused.value.code == f"{field}_not_supported"
 
 
 def test_sampler_chain() -> None:
@@ -85,6 +86,6 @@ def test_sampler_chain() -> None:
     for chain, code in ((["temperature", "top_k"], "samplers_not_supported"),
                         (["top_k", "top_k"], "samplers_not_supported"),
                         (["warp"], "invalid_value"), ("kz", "invalid_value")):
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(RouterError) as refused:
             sampler_chain(chain)
         assert refused.value.code == code

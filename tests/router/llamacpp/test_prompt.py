@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.http.errors import ApiError
+from router.errors import RouterError
+from router.http.errors import api_error
 from router.llamacpp.prompt import prompt_ids, prompt_parts
 from router.text.model_text import ModelText
 
@@ -41,9 +42,9 @@ def test_prompt_shapes(prompt: object, parts: object) -> None:
     ({"text": "x"}, "invalid_type"),
 ])
 def test_prompts_refused(prompt: object, code: str) -> None:
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(RouterError) as refused:
         prompt_parts(prompt)  # type: ignore[arg-type]
-    assert refused.value.status == 400 and refused.value.code == code
+    assert api_error(refused.value).status == 400 and refused.value.code == code
 
 
 def test_bos_only_before_a_leading_string(bos_text: ModelText) -> None:
@@ -53,5 +54,5 @@ def test_bos_only_before_a_leading_string(bos_text: ModelText) -> None:
     assert asyncio.run(prompt_ids(["hi", 5, "hi"], bos_text)) == [151643, *hi, 5, *hi]
     assert asyncio.run(prompt_ids([5, "hi"], bos_text)) == [5, *hi]
     assert asyncio.run(prompt_ids([5, 6], bos_text)) == [5, 6]
-    with pytest.raises(ApiError):
+    with pytest.raises(RouterError):
         asyncio.run(prompt_ids([5, -1], bos_text))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.http.errors import ApiError
+from router.errors import RouterError
+from router.http.errors import api_error
 from router.responses.items import canonical_input
 
 
@@ -47,6 +48,6 @@ def test_every_accepted_item_kind() -> None:
     ({"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}, "input[0].content[0].type"),
 ])
 def test_refusals_name_the_field(item: dict, param: str) -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         canonical_input([item])
-    assert error.value.status == 400 and error.value.param == param
+    assert api_error(error.value).status == 400 and error.value.param == param

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.http.errors import ApiError
+from router.errors import RouterError
+from router.http.errors import api_error
 from router.responses.pagination import page_of_items
 
 ITEMS = [{"id": f"item_{i}"} for i in range(5)]
@@ -40,6 +41,6 @@ def test_an_empty_page() -> None:
     ({"order": "up"}, "order"), ({"after": "nope"}, "after"),
 ])
 def test_bad_queries_name_their_parameter(query: dict, param: str) -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         page_of_items(ITEMS, query)
-    assert error.value.status == 400 and error.value.param == param
+    assert api_error(error.value).status == 400 and error.value.param == param

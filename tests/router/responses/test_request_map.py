@@ -9,7 +9,8 @@ import pytest
 
 from protocol import GrammarSpec
 from router.chat.request import NamedTool
-from router.http.errors import ApiError
+from router.errors import RouterError
+from router.http.errors import api_error
 from router.responses.request_map import build_plan
 from router.responses.schema import ResponsesRequest
 from router.responses.store import ResponseStore, stored
@@ -63,9 +64,9 @@ def test_previous_response_id_puts_the_stored_conversation_first() -> None:
 
 
 def test_an_unknown_previous_response_is_a_400() -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         plan(previous_response_id="resp_nope")
-    assert (error.value.status, error.value.code, error.value.param) == (
+    assert (api_error(error.value).status, error.value.code, error.value.param) == (
         400, "previous_response_not_found", "previous_response_id")
     assert error.value.message == "Previous response with id 'resp_nope' not found."
 
@@ -92,9 +93,9 @@ def test_an_unknown_previous_response_is_a_400() -> None:
     ({"input": []}, "input"),
 ])
 def test_what_we_cannot_do_names_the_field(fields: dict, param: str) -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         plan(**fields)
-    assert error.value.status == 400 and error.value.param == param
+    assert api_error(error.value).status == 400 and error.value.param == param
 
 
 def test_neutral_values_are_accepted() -> None:

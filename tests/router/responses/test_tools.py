@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.chat.request import NamedTool
-from router.http.errors import ApiError
+from router.errors import RouterError
 from router.responses.tools import tool_choice, tool_set
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -52,7 +52,7 @@ def test_tool_choice() -> None:
     ([{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "c"}]}], "tools[0].tools[0].type"),
 ])
 def test_unsupported_tools_name_the_field(tools: list, param: str) -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         tool_set(tools)
     assert error.value.param == param
 
@@ -64,6 +64,6 @@ def test_unsupported_tools_name_the_field(tools: list, param: str) -> None:
     ({"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice"),
 ])
 def test_bad_tool_choices_name_the_field(choice: object, param: str) -> None:
-    with pytest.raises(ApiError) as error:
+    with pytest.raises(RouterError) as error:
         tool_choice(choice, tool_set([WEATHER]))  # type: ignore[arg-type]
     assert error.value.param == param

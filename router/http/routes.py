@@ -1,0 +1,85 @@
+"""Every route the router serves, in one table: method, path, handler, the
+API it speaks (its error shape) and who may call it (router/http/route_info.py).
+
+Each /v1/... path also answers under /v1/v1/..., for clients whose base URL
+already ends in /v1.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.anthropic.handlers import count_tokens, create_message
+from router.http import models_api
+from router.http.metrics_route import serve_metrics
+from router.http.route_info import ROUTE_TABLE, Access, Api, Route
+from router.http.status import health, load, stats
+from router.llamacpp.completion import completion
+from router.llamacpp.props import get_props, post_props
+from router.llamacpp.template import apply_template
+from router.llamacpp.tokens import detokenize, tokenize
+from router.openai.chat import chat_completions
+from router.openai.completions import completions
+from router.responses.handlers import (
+    cancel_response,
+    count_input_tokens,
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
+
+OAI, ANT, LCP = Api.OPENAI, Api.ANTHROPIC, Api.LLAMACPP
+
+ROUTES: list[Route] = [
+    # Probes and load: cheap, never wait on an engine.
+    Route("GET", "/health", health, LCP, Access.OPEN),
+    Route("GET", "/v1/health", health, OAI, Access.OPEN),
+    Route("GET", "/v1/load", load, OAI),
+    Route("GET", "/stats", stats, LCP),
+    Route("GET", "/metrics", serve_metrics, LCP, Access.METRICS),
+    # The model catalog, as llama.cpp's router serves it.
+    Route("GET", "/models", models_api.list_models, LCP),
+    Route("GET", "/v1/models", models_api.list_models, OAI),
+    Route("POST", "/models/load", models_api.load_model, LCP),
+    Route("POST", "/models/unload", models_api.unload_model, LCP),
+    Route("POST", "/models/sleep", models_api.sleep_model, LCP),
+    Route("GET", "/models/sse", models_api.model_events, LCP),
+    # OpenAI.
+    Route("POST", "/v1/chat/completions", chat_completions, OAI),
+    Route("POST", "/chat/completions", chat_completions, OAI),
+    Route("POST", "/v1/completions", completions, OAI),
+    Route("POST", "/v1/responses", create_response, OAI),
+    Route("POST", "/v1/responses/input_tokens", count_input_tokens, OAI),
+    Route("GET", "/v1/responses/{response_id}", retrieve_response, OAI),
+    Route("DELETE", "/v1/responses/{response_id}", delete_response, OAI),
+    Route("GET", "/v1/responses/{response_id}/input_items", list_input_items, OAI),
+    Route("POST", "/v1/responses/{response_id}/cancel", cancel_response, OAI),
+    # Anthropic.
+    Route("POST", "/v1/messages", create_message, ANT),
+    Route("POST", "/v1/messages/count_tokens", count_tokens, ANT),
+    # llama.cpp's native API. /completions is llama.cpp's too, as in its
+    # server (OpenAI's Completions answer at /v1/completions).
+    Route("POST", "/completion", completion, LCP),
+    Route("POST", "/completions", completion, LCP),
+    Route("POST", "/tokenize", tokenize, LCP),
+    Route("POST", "/detokenize", detokenize, LCP),
+    Route("POST", "/apply-template", apply_template, LCP),
+    Route("GET", "/props", get_props, LCP),
+    Route("POST", "/props", post_props, LCP),
+]
+
+
+def add_routes(app: web.Application, routes: list[Route]) -> None:
+    """Register the routes and remember each one's entry for the middlewares."""
+    table: dict[web.AbstractRoute, Route] = {}
+    for route in routes:
+        paths = [route.path]
+        if route.path.startswith("/v1/"):
+            paths.append("/v1" + route.path)
+        # HEAD answers wherever GET does, under the same rules.
+        methods = [route.method, "HEAD"] if route.method == "GET" else [route.method]
+        for path in paths:
+            for method in methods:
+                table[app.router.add_route(method, path, route.handler)] = route
+    app[ROUTE_TABLE] = table
