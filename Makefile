@@ -10,8 +10,13 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # torch first, pinned: our machines hold this CPU build on local disk; an
 # unpinned torch would pull a multi-GB CUDA build. Override for GPU hosts.
 TORCH ?= torch==2.13.0
+# On a GPU box (nvidia-smi on PATH) the runtime install adds CuPy, which
+# compiles our CUDA kernels; CPU machines install exactly what they did.
+CUDA_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda13,)
+EXTRAS := $(if $(CUDA_EXTRA),[$(CUDA_EXTRA)],)
 ARGS ?=
 PYTEST_ARGS ?=
+comma := ,
 
 .PHONY: serve test install install-test fixtures lint
 
@@ -36,9 +41,9 @@ $(BIN)/python:
 
 $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e ".$(EXTRAS)"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime pyproject.toml
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test$(if $(CUDA_EXTRA),$(comma)$(CUDA_EXTRA),)]"
 	touch $@

@@ -21,7 +21,15 @@ from engine.model_ops import CudaOps, kernels_usable
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from protocol import PROTOCOL_VERSION, EngineEvent, EngineOptions, KvFacts, ModelFacts, Ready
+from protocol import (
+    PROTOCOL_VERSION,
+    EngineEvent,
+    EngineOptions,
+    KvFacts,
+    MemoryFacts,
+    ModelFacts,
+    Ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +103,8 @@ def assemble_engine(
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
         )
         budget = kv_budget_bytes(peaks, config.kv_headroom_mib * 2**20, device,
-                                 runner.cuda_graph)
+                                 runner.cuda_graph, grant_bytes=config.device_memory_mib * 2**20,
+                                 weights_bytes=loaded_weights_bytes(runner))
     plan = plan_kv(
         page_size=config.page_size,
         bytes_per_token=bytes_per_token,
@@ -103,6 +112,7 @@ def assemble_engine(
         requested_context=config.max_context,
         requested_capacity=config.kv_capacity_tokens,
         max_concurrency=config.max_concurrency,
+        prefix_cache_tokens=config.prefix_cache_tokens,
         device_budget_bytes=budget,
     )
     log.info(
@@ -115,8 +125,12 @@ def assemble_engine(
     if device.type == "cuda":
         progress(1.0, "capturing CUDA graphs" if runner.cuda_graph else "KV pool allocated")
         runner.capture_graphs()
-        _log_ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
-                    config.kv_headroom_mib * 2**20, loaded_weights_bytes(runner))
+        ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
+                         config.kv_headroom_mib * 2**20, loaded_weights_bytes(runner))
+        log.info("%s", ledger.describe())
+        memory = ledger.facts()
+    else:
+        memory = MemoryFacts(weights_bytes=loaded_weights_bytes(runner), kv_bytes=plan.total_bytes)
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
@@ -126,7 +140,6 @@ def assemble_engine(
         max_concurrency=config.max_concurrency,
         max_batched_tokens=config.max_batched_tokens,
         max_context=plan.max_context,
-        stop_token_ids=model.eos_token_ids,
     )
     core = EngineCore(runner, scheduler, sampler, vocab_size=model.vocab_size, emit=emit)
     ready = Ready(
@@ -144,7 +157,6 @@ def assemble_engine(
             size_bytes=loaded.size_bytes,
             dtype=str(dtype).removeprefix("torch."),
             device=str(device),
-            eos_token_ids=list(model.eos_token_ids),
         ),
         kv=KvFacts(
             page_size=plan.page_size,
@@ -155,6 +167,7 @@ def assemble_engine(
             bytes_per_token=bytes_per_token,
         ),
         load_seconds=0.0,
+        memory=memory,
     )
     return core, ready
 
@@ -164,8 +177,8 @@ def loaded_weights_bytes(runner: ModelRunner) -> int:
     return sum(t.numel() * t.element_size() for t in model_tensors(runner.model).values())
 
 
-def _log_ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
-                kv_tokens: int, headroom_bytes: int, weights_bytes: int) -> None:
+def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
+            kv_tokens: int, headroom_bytes: int, weights_bytes: int) -> MemoryLedger:
     device = runner.device
     free, total = torch.cuda.mem_get_info(device)
     ops = runner.model.ops
@@ -183,4 +196,4 @@ def _log_ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: 
         headroom_bytes=headroom_bytes,
         free_bytes=free,
     )
-    log.info("%s", ledger.describe())
+    return ledger

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.grammar import EngineGrammar, GrammarError
+from engine.grammar import EngineGrammar, GrammarCompileError, GrammarError
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -61,7 +61,7 @@ class EngineCore:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.emit = emit
-        self.grammar = EngineGrammar(vocab_size, scheduler.eos_token_ids, runner.device)
+        self.grammar = EngineGrammar(vocab_size, runner.device)
         self.step_count = 0
         self._pending: list[RequestOutput] = []
         self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
@@ -85,7 +85,22 @@ class EngineCore:
         elif isinstance(command, Wake):
             self._wake()
         elif isinstance(command, Shutdown):
-            self._stopping = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Stop now: the router sends Shutdown once it is done with this
+        engine (it drained or aborted its requests first), so anything still
+        here is aborted, its outputs published (so no stream is left open),
+        and the loop ends; the process exits 0."""
+        left = [seq.request_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+        for seq in self.scheduler.abort(left):
+            self._forget(seq.request_id)
+            self._pending.append(self._output(seq, []))
+        if left:
+            log.info("shutdown: aborted %d request(s) still here", len(left))
+        if self._pending:
+            self._publish()
+        self._stopping = True
 
     @property
     def asleep(self) -> bool:
@@ -147,7 +162,11 @@ class EngineCore:
             try:
                 self.grammar.admit(command.request_id, grammar)
             except GrammarError as exc:
-                self.emit(RequestError(command.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
+                # A grammar that does not compile has its own code, so the router
+                # can name the request field at fault.
+                code = (ErrorCode.INVALID_GRAMMAR if isinstance(exc, GrammarCompileError)
+                        else ErrorCode.INVALID_REQUEST)
+                self.emit(RequestError(command.request_id, code, str(exc)))
                 return
         seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
         self.scheduler.add(seq)
@@ -171,6 +190,10 @@ class EngineCore:
             return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
         if command.params.max_tokens < 1:
             return ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1"
+        bad = next((t for t in command.params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return (ErrorCode.INVALID_REQUEST,
+                    f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         return None
 
     # ---- the loop ------------------------------------------------------------

@@ -26,7 +26,10 @@ again (_huge_page_block).
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -225,3 +228,42 @@ class KVPageStash:
                     cache.index_copy_(0, index, host[layer, side].to(device, non_blocking=True))
             synchronize(device)
         self._buffer.release()
+
+
+# The files of a model directory whose bytes become the weights (and their shapes).
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.gguf", "config.json")
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    """Who the weights loaded at start-up were read from, strongly enough to
+    tell on wake whether a disk wake would read the same bytes: per file its
+    device, inode, size, and modification and status-change times in ns. A
+    rewrite in place that keeps the size and puts the old mtime back still
+    moves ctime, which no user can set; a replacement by rename changes the
+    inode. For a directory, every weight file and the directory itself."""
+
+    stats: tuple[tuple[str, int, int, int, int, int], ...]
+
+    @classmethod
+    def of(cls, path: Path) -> WeightFiles:
+        files = [path]
+        if path.is_dir():
+            files += sorted({f for pattern in WEIGHT_FILE_PATTERNS for f in path.glob(pattern)})
+        return cls(tuple(_identity(f) for f in files))
+
+    def changed(self) -> list[str]:
+        """The files that are no longer what they were (or are gone, or new)."""
+        now = WeightFiles.of(Path(self.stats[0][0]))
+        before = {s[0]: s for s in self.stats}
+        after = {s[0]: s for s in now.stats}
+        return sorted(name for name in before.keys() | after.keys()
+                      if before.get(name) != after.get(name))
+
+
+def _identity(path: Path) -> tuple[str, int, int, int, int, int]:
+    try:
+        st = os.stat(path)  # through symlinks: the bytes that would be read
+    except FileNotFoundError:
+        return (str(path), -1, -1, -1, -1, -1)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -22,7 +22,7 @@ from engine.models import CausalLM
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.step_inputs import DeviceInputs, StepInputs
-from protocol import SamplingParams
+from protocol import MemoryFacts, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ GIB = 2**30
 # The graphs' pool holds one decode step's intermediates, captured largest
 # first; this much slack covers allocator rounding on top of the profiled step.
 GRAPH_POOL_SLACK_BYTES = 64 * MIB
+# Device memory taken after sizing outside torch's allocator: kernel modules
+# loaded at graph capture, cuBLAS workspaces for new shapes.
+RUNTIME_SLACK_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,12 @@ class MemoryLedger:
     headroom_bytes: int
     free_bytes: int
 
+    def facts(self) -> MemoryFacts:
+        """What the router's device ledger counts for this model."""
+        return MemoryFacts(weights_bytes=self.weights_bytes, kv_bytes=self.kv_bytes,
+                           activation_bytes=self.activation_bytes,
+                           workspace_bytes=self.workspace_bytes, graph_bytes=self.graph_bytes)
+
     def describe(self) -> str:
         return (
             f"device memory ledger: total {self.total_bytes / GIB:.2f} GiB = "
@@ -156,13 +165,18 @@ class MemoryLedger:
 
 
 def kv_budget_bytes(peaks: StepPeaks, headroom_bytes: int, device: torch.device,
-                    cuda_graph: bool) -> int:
+                    cuda_graph: bool, *, grant_bytes: int = 0, weights_bytes: int = 0) -> int:
     """Device bytes the KV pool may take: free memory after the weights (and
     anything other processes hold), less the largest step's activations, the
-    graphs' pool and the headroom."""
+    graphs' pool and the headroom. With a grant from the router's planner
+    (the most this model may hold in all), never more than the grant less
+    the weights, activations and graphs: the other models planned on the
+    same device keep their room."""
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    reserve = peaks.activation_bytes + headroom_bytes
-    if cuda_graph:
-        reserve += peaks.graph_reserve_bytes
-    return free - reserve
+    step_reserve = (peaks.activation_bytes + RUNTIME_SLACK_BYTES
+                    + (peaks.graph_reserve_bytes if cuda_graph else 0))
+    budget = free - step_reserve - headroom_bytes
+    if grant_bytes:
+        budget = min(budget, grant_bytes - weights_bytes - step_reserve)
+    return budget

@@ -46,6 +46,10 @@ class GrammarError(Exception):
     """A grammar that cannot be used; the message is meant for the client."""
 
 
+class GrammarCompileError(GrammarError):
+    """The request's grammar itself is wrong (it does not compile)."""
+
+
 @dataclass(slots=True)
 class Verdict:
     """What the matchers made of one step's tokens."""
@@ -57,9 +61,8 @@ class Verdict:
 
 
 class EngineGrammar:
-    def __init__(self, vocab_size: int, stop_token_ids: Seq[int], device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
-        self.stop_token_ids = sorted(stop_token_ids)
         self.device = device
         self._compiler: GrammarCompiler | None = None
         self._vocab_error: str | None = None
@@ -79,8 +82,7 @@ class EngineGrammar:
         from engine.grammar_compiler import GrammarCompiler
 
         try:
-            self._compiler = GrammarCompiler(vocab, vocab_size=self.vocab_size,
-                                             stop_token_ids=self.stop_token_ids)
+            self._compiler = GrammarCompiler(vocab, vocab_size=self.vocab_size)
         except Exception as exc:  # there is no request to answer; later grammars are refused
             self._compiler = None
             self._vocab_error = f"the grammar vocabulary was refused: {exc}"

@@ -14,12 +14,11 @@ import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import xgrammar as xgr
 
-from engine.grammar import GrammarError
+from engine.grammar import GrammarCompileError
 from protocol import GrammarSpec, GrammarVocab
 
 # Compiled grammars kept, least recently used dropped first; each entry costs
@@ -54,8 +53,7 @@ def xgrammar_message(exc: BaseException) -> str:
 class GrammarCompiler:
     """One model's xgrammar compiler plus an LRU cache keyed by (kind, source)."""
 
-    def __init__(self, vocab: GrammarVocab, *, vocab_size: int, stop_token_ids: Sequence[int],
-                 threads: int | None = None):
+    def __init__(self, vocab: GrammarVocab, *, vocab_size: int, threads: int | None = None):
         tokens = vocab.tokens
         if len(tokens) > vocab_size:
             # Tokens the model has no logits for can never be produced anyway.
@@ -64,8 +62,9 @@ class GrammarCompiler:
             tokens,
             _VOCAB_TYPES[vocab.vocab_type],
             vocab_size=vocab_size,
-            # None lets xgrammar guess; a model with no known end token is rare.
-            stop_token_ids=list(stop_token_ids) or None,
+            # The router's end-of-sequence ids, the same that stop every
+            # request; None lets xgrammar guess (a model with none is rare).
+            stop_token_ids=list(vocab.eos_token_ids) or None,
             add_prefix_space=vocab.add_prefix_space,
         )
         # xgrammar's own cache would grow without bound next to ours.
@@ -85,7 +84,8 @@ class GrammarCompiler:
         try:
             compiled = self._compile(spec)
         except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own types
-            raise GrammarError(f"the {spec.kind} grammar is invalid: {xgrammar_message(exc)}") from exc
+            raise GrammarCompileError(
+                f"the {spec.kind} grammar is invalid: {xgrammar_message(exc)}") from exc
         self._remember(key, compiled)
         return compiled
 

@@ -31,6 +31,11 @@ class KvPlan:
         return self.capacity_tokens * self.bytes_per_token
 
 
+# kv_capacity_tokens values with a meaning of their own.
+KV_FROM_NEED = 0
+KV_FILL = -1
+
+
 def plan_kv(
     *,
     page_size: int,
@@ -39,23 +44,34 @@ def plan_kv(
     requested_context: int,
     requested_capacity: int,
     max_concurrency: int,
+    prefix_cache_tokens: int = 0,
     device_budget_bytes: int | None = None,
 ) -> KvPlan:
-    """Size the pool. On the CPU: an explicit capacity wins; otherwise every
-    lane gets the full context when memory allows, and never less than one
-    full context. On a GPU (device_budget_bytes given: what the device can
-    spare, engine/gpu_memory.py): an explicit capacity must fit in it, and
-    automatic sizing takes all of it."""
+    """Size the pool from what the lanes can use and what memory allows.
+
+    What the lanes can use is max_concurrency full contexts plus
+    prefix_cache_tokens for cached prefixes; more would never be touched at
+    once. requested_capacity: KV_FROM_NEED (0) sizes the pool to that need,
+    within the memory given; KV_FILL (-1) takes all the memory given (a model
+    alone on its GPU keeps conversations cached that way); a token count is
+    taken as is and must fit.
+
+    On the CPU the memory given is a quarter of what is available, capped at
+    1 GiB, and never less than one full context. On a GPU it is
+    device_budget_bytes (engine/gpu_memory.py: the free memory, or the
+    router's grant, less the activations, the graphs and the headroom).
+    """
     if requested_context > trained_context:
         raise ValueError(
             f"--max-context {requested_context} is beyond the model's trained context of "
             f"{trained_context} tokens; positions past it have no rotary table"
         )
     max_context = requested_context or trained_context
+    need = max_concurrency * max_context + prefix_cache_tokens
     if device_budget_bytes is not None:
         return _plan_on_device(page_size, bytes_per_token, max_context, requested_capacity,
-                               device_budget_bytes)
-    if requested_capacity:
+                               need, device_budget_bytes)
+    if requested_capacity > 0:
         capacity = requested_capacity
         if capacity < max_context:
             log.warning(
@@ -66,15 +82,16 @@ def plan_kv(
     else:
         budget = min(psutil.virtual_memory().available * CPU_KV_SHARE, CPU_KV_CAP_BYTES)
         fits = int(budget // bytes_per_token)
-        capacity = max(max_context, min(fits, max_concurrency * max_context))
+        wanted = fits if requested_capacity == KV_FILL else min(fits, need)
+        capacity = max(max_context, wanted)
     num_pages = -(-capacity // page_size)
     return KvPlan(num_pages, page_size, max_context, bytes_per_token)
 
 
 def _plan_on_device(page_size: int, bytes_per_token: int, max_context: int,
-                    requested_capacity: int, budget_bytes: int) -> KvPlan:
+                    requested_capacity: int, need: int, budget_bytes: int) -> KvPlan:
     fits_pages = max(budget_bytes, 0) // (bytes_per_token * page_size)
-    if requested_capacity:
+    if requested_capacity > 0:
         num_pages = -(-requested_capacity // page_size)
         if num_pages > fits_pages:
             raise ValueError(
@@ -84,8 +101,10 @@ def _plan_on_device(page_size: int, bytes_per_token: int, max_context: int,
                 f"largest step's activations, the CUDA graphs and the headroom: lower "
                 f"--kv-capacity, --max-batched-tokens or --kv-headroom-mib, or use auto"
             )
-    else:
+    elif requested_capacity == KV_FILL:
         num_pages = fits_pages
+    else:
+        num_pages = min(fits_pages, -(-need // page_size))
     if num_pages < 1:
         raise ValueError(
             f"no device memory is left for the KV cache ({budget_bytes / 2**20:.0f} MiB after "

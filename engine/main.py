@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.parent_pid:
         die_with_parent(args.parent_pid)
+        # Ctrl-C in a terminal signals the whole process group: the router
+        # drains its requests and then sends Shutdown, which this engine must
+        # live to act on (it dies with the router anyway).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     sockets = EngineSockets(args.input, args.output)
     sockets.start_output()
     try:

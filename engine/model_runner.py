@@ -11,7 +11,6 @@ and decode batches above the largest captured size, run eagerly.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from engine.device_state import (
     DroppedWeights,
     KVCache,
     KVPageStash,
+    WeightFiles,
     WeightsMode,
     WeightStash,
     device_bytes,
@@ -74,7 +74,8 @@ class ModelRunner:
         self.config = loaded.config
         # Where a wake after Sleep(weights="disk") reads the weights again.
         self.model_path = model_path
-        self._model_mtime = os.path.getmtime(model_path)
+        # Checked before a disk wake reads the files again (WeightFiles).
+        self._weight_files = WeightFiles.of(Path(model_path))
         self.device = device
         self.dtype = dtype
         self.num_pages = num_pages
@@ -183,10 +184,14 @@ class ModelRunner:
     def _reload_model(self) -> CausalLM:
         # The kept KV pages (and the prefix-cache fingerprint) belong to the
         # weights loaded at start-up; a changed file must not be mixed in.
-        if os.path.getmtime(self.model_path) != self._model_mtime:
+        # Never serve weights other than those validated at load, however
+        # the file was rewritten: the engine ends and the router loads the
+        # model afresh, as a new load, on its next request.
+        changed = self._weight_files.changed()
+        if changed:
             raise RuntimeError(
-                f"{self.model_path} changed while the engine slept; its kept KV pages belong "
-                "to the old weights: unload the model and load it again"
+                f"{self.model_path} changed while the engine slept ({', '.join(changed[:3])}); "
+                "its kept KV pages belong to the old weights: the model must be loaded again"
             )
         loaded = load_model(self.model_path, self.device, self.dtype)
         if loaded.config != self.config:

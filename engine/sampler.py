@@ -1,7 +1,7 @@
 """Turns the last-position logits of a batch into one token per row.
 
 Grammar rows first lose the tokens their grammar forbids (a TokenMask, see
-engine/grammar.py). Greedy rows take the argmax. Sampled rows apply
+engine/grammar.py), then rows with a logit_bias get it added. Greedy rows take the argmax. Sampled rows apply
 penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
 batch, and draw from what is left. A request with a seed draws from its own
 generator, so its tokens do not depend on which other requests share the batch.
@@ -70,6 +70,7 @@ class Sampler:
             return self.sample_on_device(logits, seqs, mask).tolist()
         if mask is not None:
             mask.apply(logits)
+        self._apply_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         result = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -88,6 +89,7 @@ class Sampler:
         tokens reached the host), so its random stream stays where it would be."""
         if mask is not None:
             mask.apply(logits)
+        self._apply_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         if all(seq.params.greedy for seq in seqs):
             return logits.argmax(dim=-1)
@@ -106,6 +108,18 @@ class Sampler:
         ints = ints.to(device, non_blocking=True).T.contiguous()
         return sample_tokens(logits.contiguous(), floats[0], ints[0].to(torch.int32).contiguous(),
                              floats[1], floats[2], ints[1], ints[2])
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+        # A bias is fixed for the whole request, so it needs no host work per
+        # step: a step launched ahead (engine/decode_lookahead.py) applies it too.
+        for row, seq in enumerate(seqs):
+            bias = seq.params.logit_bias
+            if not bias:
+                continue
+            ids = torch.tensor(list(bias), device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row, ids] += values
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         for row, seq in enumerate(seqs):

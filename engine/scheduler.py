@@ -56,13 +56,11 @@ class Scheduler:
         max_concurrency: int,
         max_batched_tokens: int,
         max_context: int,
-        stop_token_ids: Iterable[int],
     ):
         self.kv = kv
         self.max_concurrency = max_concurrency
         self.max_batched_tokens = max_batched_tokens
         self.max_context = max_context
-        self.eos_token_ids = frozenset(stop_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -187,9 +185,9 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
+        # The router sends every stop token, the model's end-of-sequence ids
+        # included (unless ignore_eos): the engine keeps no list of its own.
+        if token in params.stop_token_ids:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_context:
             return "length"

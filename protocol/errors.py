@@ -10,6 +10,8 @@ class ErrorCode(enum.StrEnum):
     # the context or the KV pool, a token id outside the vocabulary).
     INVALID_REQUEST = "invalid_request"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    # A grammar (JSON schema, regex, GBNF, structural tag) that does not compile.
+    INVALID_GRAMMAR = "invalid_grammar"
     # A request id the engine already runs.
     DUPLICATE_REQUEST = "duplicate_request"
     # The engine failed while running this request but kept going.

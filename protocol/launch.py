@@ -20,8 +20,16 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_batched_tokens: int = 512
     # 0: the model's trained context.
     max_context: int = 0
-    # KV pool size in tokens; 0: sized automatically (engine/kv_sizing.py).
+    # KV pool size in tokens. 0: what the lanes can use (max_concurrency x
+    # context, plus prefix_cache_tokens), within the device memory given;
+    # -1: all the device memory given (engine/kv_sizing.py).
     kv_capacity_tokens: int = 0
+    # KV kept beyond what the lanes can use at once, for the prefix cache.
+    prefix_cache_tokens: int = 0
+    # Device memory (MiB) this model may hold in all: weights, KV, the largest
+    # step's activations, CUDA graphs. Granted by the router's planner; 0: what
+    # the device has free, less the headroom.
+    device_memory_mib: int = 0
     # Automatic sizing on a GPU leaves this much device memory free.
     kv_headroom_mib: int = 1024
     # Decode steps replay CUDA graphs (GPU path only).
@@ -44,11 +52,15 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 f"max batched tokens ({self.max_batched_tokens}) must be at least the max "
                 f"concurrency ({self.max_concurrency}) so every lane can decode each step"
             )
-        if min(self.max_context, self.kv_capacity_tokens, self.kv_headroom_mib, self.output_window,
-               self.threads) < 0:
+        if min(self.max_context, self.kv_headroom_mib, self.output_window, self.threads,
+               self.prefix_cache_tokens, self.device_memory_mib) < 0:
             raise ValueError(
-                "max context, KV capacity, KV headroom, output window and threads must be >= 0"
+                "max context, KV headroom, output window, threads, prefix cache tokens and "
+                "device memory must be >= 0"
             )
+        if self.kv_capacity_tokens < -1:
+            raise ValueError("KV capacity must be a token count, 0 (what the lanes use) or -1 "
+                             f"(all the memory given), got {self.kv_capacity_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

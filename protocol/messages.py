@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 6
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -47,10 +47,14 @@ class GrammarVocab(msgspec.Struct, tag="vocab", **_STRUCT):
     tokens[i] is token i as stored in the tokenizer (byte-level BPE tokens in
     their mapped form, "Ġthe"; SentencePiece tokens with "▁" and <0xNN>);
     vocab_type tells xgrammar how to read them back into bytes.
+    eos_token_ids are the model's end-of-sequence ids, the tokens a grammar
+    may end with: the router's, as every request's stop_token_ids are (the
+    engine derives no token ids of its own).
     """
 
     tokens: list[str]
     vocab_type: Literal["raw", "byte_fallback", "byte_level"]
+    eos_token_ids: list[int]
     add_prefix_space: bool = False
 
 
@@ -92,7 +96,6 @@ class ModelFacts(msgspec.Struct, **_STRUCT):
     size_bytes: int
     dtype: str
     device: str
-    eos_token_ids: list[int] = []
 
 
 class KvFacts(msgspec.Struct, **_STRUCT):
@@ -108,6 +111,23 @@ class KvFacts(msgspec.Struct, **_STRUCT):
         return self.page_size * self.num_pages
 
 
+class MemoryFacts(msgspec.Struct, frozen=True, **_STRUCT):
+    """What the engine holds on its device once loaded, by kind (bytes): the
+    router's device ledger plans other models around it. On the CPU the same
+    kinds in host memory (activations and graphs are 0 there)."""
+
+    weights_bytes: int = 0
+    kv_bytes: int = 0
+    activation_bytes: int = 0
+    workspace_bytes: int = 0
+    graph_bytes: int = 0
+
+    @property
+    def footprint_bytes(self) -> int:
+        return (self.weights_bytes + self.kv_bytes + self.activation_bytes
+                + self.workspace_bytes + self.graph_bytes)
+
+
 class LoadProgress(msgspec.Struct, tag="progress", **_STRUCT):
     fraction: float
     message: str
@@ -119,6 +139,7 @@ class Ready(msgspec.Struct, tag="ready", **_STRUCT):
     model: ModelFacts
     kv: KvFacts
     load_seconds: float
+    memory: MemoryFacts = MemoryFacts()
 
 
 class RequestOutput(msgspec.Struct, **_STRUCT):

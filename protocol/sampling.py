@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # Every token that ends the request: the model's end-of-sequence ids
+    # (the router's, unless ignore_eos) plus the client's. The engine has no
+    # end-of-sequence list of its own; ignore_eos is for the router's text.
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     grammar: GrammarSpec | None = None
@@ -53,6 +56,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # Send a RequestOutput after every prefill chunk with num_computed_tokens
     # (llama.cpp's return_progress).
     report_progress: bool = False
+    # Added to the logits of these token ids before anything else (OpenAI's
+    # and llama.cpp's logit_bias); -inf bans a token. Ids are checked against
+    # the vocabulary by the router.
+    logit_bias: dict[int, float] = {}
 
     @property
     def greedy(self) -> bool:

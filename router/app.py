@@ -8,12 +8,15 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from router.http.auth import KEY_STORE, KeyStore, auth_middleware
-from router.http.cors import add_cors_headers, cors_middleware
+from router.http.connections import body_timeout_middleware, busy_middleware
+from router.http.cors import CorsPolicy, refuse_options
 from router.http.errors import error_middleware
+from router.http.host_check import host_check_middleware
 from router.http.keys import MANAGER, STARTED
 from router.http.metrics_route import attach_metrics
 from router.http.observe import observe_middleware
 from router.http.readiness import readiness_middleware
+from router.http.request_id import add_request_id, request_id_middleware
 from router.http.routes import ROUTES, add_routes
 from router.http.token_count_gate import token_count_gate
 from router.lifecycle import ModelManager
@@ -23,27 +26,38 @@ def create_app(manager: ModelManager) -> web.Application:
     """Raises AuthConfigError for keys that cannot be served (a bad key file)."""
     config = manager.config
     keys = KeyStore.from_config(config)
-    # Outermost first: CORS answers preflights (its headers go on every
-    # response, 401s included, through on_response_prepare); every request
-    # gets its record, then errors are rendered in the route's shape, then
-    # the API key is checked (so a 401 has the route's shape too), token
-    # counting is bounded, then a loading single model answers 503.
+    cors = CorsPolicy(frozenset(config.cors_origins)) if config.cors else None
+    host_check = host_check_middleware(config)
+    # Outermost first: the connection learns that a request started (no
+    # deadline may cut it: router/http/connections.py); every request gets its
+    # id and its record; errors are rendered in the route's shape, so every
+    # refusal below has it: a Host that does not name this server (DNS
+    # rebinding), then CORS answers preflights before the API key is checked
+    # (its headers go on every response, 401s included, through
+    # on_response_prepare); OPTIONS that CORS did not answer is a 405; the
+    # body is read within its deadline; token counting is bounded; a loading
+    # single model answers 503.
     middlewares: list[Middleware] = [
+        busy_middleware,
+        request_id_middleware,
         observe_middleware,
         error_middleware,
+        *([host_check] if host_check is not None else []),
+        *([cors.middleware()] if cors is not None else []),
         auth_middleware(keys, metrics_open=config.metrics_open),
+        refuse_options,
+        body_timeout_middleware(config.http_body_timeout_ms / 1000),
         token_count_gate(config.max_token_count_requests),
         readiness_middleware,
     ]
-    if config.cors:
-        middlewares.insert(0, cors_middleware)
     app = web.Application(
         middlewares=middlewares,
         # Bodies above this are refused before parsing (413 request_too_large).
         client_max_size=int(config.max_request_mib * (1 << 20)),
     )
-    if config.cors:
-        app.on_response_prepare.append(add_cors_headers)
+    app.on_response_prepare.append(add_request_id)
+    if cors is not None:
+        app.on_response_prepare.append(cors.add_headers)
     app[MANAGER] = manager
     app[KEY_STORE] = keys
     app[STARTED] = int(time.time())

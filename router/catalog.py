@@ -11,6 +11,7 @@ of the directory by name (docs/presets.md).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from router.config import ServeConfig
 from router.options import resolve_settings
 from router.presets import Preset, PresetError, PresetSection, load_preset
 from router.settings import ModelSettings
+from router.text.model_text import ModelText
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,15 @@ class Catalog:
         if entry is None and name in self.aliases:
             entry = self.entries[self.aliases[name]]
         return entry
+
+
+def load_text(entry: CatalogEntry) -> ModelText:
+    """The model's text side, with --chat-template and --chat-template-kwargs applied."""
+    text = ModelText.load(entry.path)
+    settings = entry.settings
+    if settings.chat_template is None and settings.chat_template_kwargs == "{}":
+        return text
+    return text.with_overrides(settings.chat_template, json.loads(settings.chat_template_kwargs))
 
 
 def entry_for_path(path: Path, name: str | None = None) -> CatalogEntry:

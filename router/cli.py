@@ -16,6 +16,8 @@ from typing import NoReturn
 
 from router import env
 from router.config import ServeConfig
+from router.http.cors import origins
+from router.http.host_check import allowed_host
 from router.observability.logging_setup import configure_logging
 from router.options import OptionValueError, add_arguments, given_options, names
 
@@ -41,6 +43,28 @@ def _alias_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _device_list(text: str) -> tuple[int, ...]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected GPU indexes separated by commas (0,1), "
+                                         f"got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
+def _origin_list(text: str) -> tuple[str, ...]:
+    try:
+        return origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _host_name(text: str) -> str:
+    try:
+        return allowed_host(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviated flags: a unit file's `--max-con 4` would silently mean
     # --max-concurrency today and become an error when another flag shares the prefix.
@@ -62,10 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--models-max", type=int, default=4, metavar="N",
                        help="models loaded at once (0: no limit); the least recently used "
                             "idle one makes room (default: 4)")
+    serve.add_argument("--devices", type=_device_list, default=None, metavar="0,1",
+                       help="the GPUs models are placed on, as CUDA numbers them (default: "
+                            "every visible GPU)")
+    serve.add_argument("--device-headroom-mib", type=int, default=1024, metavar="MIB",
+                       help="device memory the planner leaves free on each GPU (default: 1024)")
     serve.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=True,
                        help="load a requested model that is not loaded (default: on)")
     serve.add_argument("--pending-timeout-ms", type=int, default=60_000, metavar="MS",
-                       help="how long a request may wait for a model slot (default: 60000)")
+                       help="how long a request may wait for its model's seat (room under "
+                       "--models-max and in device memory) and a lane (default: 60000)")
+    serve.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM/SIGINT, time running requests get to finish while new "
+                            "ones get 503; the rest then end with an error (default: 30)")
     serve.add_argument("--alias", type=_alias_list, default=(), metavar="A,B",
                        help="other names for a single MODEL")
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
@@ -84,7 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="one key per line, optionally `label: key`; # comments; must not be "
                                "readable by group or others; re-read when it changes")
     security.add_argument("--metrics-open", action="store_true", help="serve /metrics without a key")
-    security.add_argument("--cors", action="store_true", help="permissive CORS headers")
+    security.add_argument("--cors", action="store_true",
+                          help="let web pages of any origin call the API (--cors-origins '*')")
+    security.add_argument("--cors-origins", type=_origin_list, default=(), metavar="A,B",
+                          help="let web pages of these origins (https://app.example.com) call "
+                               "the API; '*': any")
+    security.add_argument("--allowed-host", action="append", type=_host_name, default=[],
+                          metavar="HOST",
+                          help="a Host header to accept besides localhost and loopback "
+                               "addresses (repeat for more; '*': any); see docs/security.md")
     security.add_argument("--max-request-mib", type=float, default=64.0, metavar="MIB",
                           help="largest request body (default: 64)")
     security.add_argument("--max-pending-requests", type=int, default=128, metavar="N",
@@ -95,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--default-max-tokens", type=int, default=0, metavar="N",
                           help="output budget for requests that name none (default: 0, one "
                                "lane's share of the KV pool)")
+    connections = serve.add_argument_group("connections")
+    connections.add_argument("--http-header-timeout-ms", type=int, default=10_000, metavar="MS",
+                             help="time a client has to send a request's headers (default: "
+                                  "10000)")
+    connections.add_argument("--http-body-timeout-ms", type=int, default=60_000, metavar="MS",
+                             help="time a client has to send a request's body once its headers "
+                                  "are in (default: 60000); slower bodies get 408")
+    connections.add_argument("--http-keepalive-timeout-ms", type=int, default=15_000,
+                             metavar="MS", help="idle keep-alive connections are closed after "
+                                                "this (default: 15000)")
+    connections.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                             help="client connections open at once; more are refused "
+                                  "(default: 1024)")
     logs = serve.add_argument_group("logs")
     logs.add_argument("--request-log-jsonl", type=Path, metavar="FILE",
                       help="write one JSON object per request event (docs/observability.md)")
@@ -130,8 +184,11 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             models_dir=args.models_dir,
             models_preset=args.models_preset,
             models_max=args.models_max,
+            devices=args.devices,
+            device_headroom_mib=args.device_headroom_mib,
             autoload=args.models_autoload,
             pending_timeout_ms=args.pending_timeout_ms,
+            shutdown_grace_seconds=args.shutdown_grace_seconds,
             log_level=args.log_level,
             cli_model_options=model_options,
             aliases=args.alias,
@@ -141,11 +198,16 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             api_keys_env=env.api_keys_from_environment(),
             api_key_file=args.api_key_file,
             metrics_open=args.metrics_open,
-            cors=args.cors,
+            cors_origins=("*",) if args.cors else args.cors_origins,
+            allowed_hosts=tuple(args.allowed_host),
             max_request_mib=args.max_request_mib,
             max_pending_requests=args.max_pending_requests,
             max_token_count_requests=args.max_token_count_requests,
             default_max_tokens=args.default_max_tokens,
+            http_header_timeout_ms=args.http_header_timeout_ms,
+            http_body_timeout_ms=args.http_body_timeout_ms,
+            http_keepalive_timeout_ms=args.http_keepalive_timeout_ms,
+            max_connections=args.max_connections,
             request_log_jsonl=args.request_log_jsonl,
             request_log_max_mib=args.request_log_max_mib,
             request_log_keep=args.request_log_keep,

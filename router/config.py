@@ -20,10 +20,19 @@ class ServeConfig:
     # Models holding device memory at once (loaded, loading, waking,
     # unloading); 0 means no limit. Sleeping models do not count.
     models_max: int = 4
+    # The GPUs the router places models on (CUDA ordinals as engines see
+    # them); None: every GPU visible (router/devices.py).
+    devices: tuple[int, ...] | None = None
+    # Device memory (MiB) the planner keeps free on each GPU.
+    device_headroom_mib: int = 1024
     # Load a requested model that is not loaded (per request: ?autoload=0|1).
     autoload: bool = True
-    # How long a request may wait for a model slot (room under models_max).
+    # How long a request may wait for its model's seat (room under models_max and
+    # device memory) and a lane.
     pending_timeout_ms: int = 60_000
+    # After SIGTERM/SIGINT: how long running requests may go on finishing
+    # before they are ended with an error (new ones get 503 meanwhile).
+    shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
     # Per-model options given on the command line, by option name
     # ("max-context": 4096), already parsed; they win over the preset.
@@ -43,8 +52,12 @@ class ServeConfig:
     api_key_file: Path | None = None
     # /metrics without a key.
     metrics_open: bool = False
-    # Permissive CORS headers.
-    cors: bool = False
+    # Origins whose pages may call the API from a browser (--cors-origins;
+    # "*" is any origin, which --cors means). Empty: no CORS at all.
+    cors_origins: tuple[str, ...] = ()
+    # Host header values accepted besides the loopback names (--allowed-host;
+    # router/http/host_check.py): DNS-rebinding protection.
+    allowed_hosts: tuple[str, ...] = ()
     # Request bodies above this are refused before parsing (413).
     max_request_mib: float = 64.0
     # Generation requests that may wait per model beyond its lanes; past it, 429.
@@ -55,6 +68,15 @@ class ServeConfig:
     # Output budget for requests that name none; 0 means one lane's share of
     # the KV pool, clamped to the remaining context.
     default_max_tokens: int = 0
+    # ---- connections (docs/serving.md, router/http/connections.py) ----
+    # How long a client has to send a request's headers (from the connection's
+    # start, or from the first byte of a later request), and then its body.
+    http_header_timeout_ms: int = 10_000
+    http_body_timeout_ms: int = 60_000
+    # How long an idle keep-alive connection stays open after a response.
+    http_keepalive_timeout_ms: int = 15_000
+    # Client connections open at once; more are refused at once.
+    max_connections: int = 1024
     # ---- observability (docs/observability.md) ----
     request_log_jsonl: Path | None = None
     request_log_max_mib: float = 100.0
@@ -69,8 +91,14 @@ class ServeConfig:
             raise ValueError("nothing to serve: give a MODEL, --models-dir or --models-preset")
         if self.models_max < 0:
             raise ValueError("--models-max must be 0 (no limit) or more")
+        if self.device_headroom_mib < 0:
+            raise ValueError("--device-headroom-mib must be 0 or more")
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ValueError("--devices lists a GPU twice")
         if self.pending_timeout_ms < 0:
             raise ValueError("--pending-timeout-ms must be 0 or more")
+        if not 0 <= self.shutdown_grace_seconds <= 3600:
+            raise ValueError("--shutdown-grace-seconds must be 0..3600")
         if self.response_store_max_records < 1:
             raise ValueError("--response-store-max-records must be 1 or more")
         if not self.max_request_mib > 0:
@@ -86,8 +114,20 @@ class ServeConfig:
             raise ValueError("--log-stats-interval-ms must be 0 (off) or more")
         if not self.response_store_max_mib > 0:
             raise ValueError("--response-store-max-mib must be more than 0")
+        for flag, ms in (("--http-header-timeout-ms", self.http_header_timeout_ms),
+                         ("--http-body-timeout-ms", self.http_body_timeout_ms),
+                         ("--http-keepalive-timeout-ms", self.http_keepalive_timeout_ms)):
+            if ms < 1:
+                raise ValueError(f"{flag} must be 1 or more")
+        if self.max_connections < 1:
+            raise ValueError("--max-connections must be 1 or more")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
+
+    @property
+    def cors(self) -> bool:
+        """Whether CORS is on at all (--cors or --cors-origins)."""
+        return bool(self.cors_origins)
 
     @property
     def is_router(self) -> bool:

@@ -192,6 +192,17 @@ class EngineClient:
                 self.fail_all(event.message)
                 return
 
+    def end_all(self, reason: str, code: str = "engine_failed") -> None:
+        """The router gives up on every open request (an unload, or shutdown
+        past its grace): the engine is told to abort them, each stream ends
+        with an error (`code`), and the engine stays up for the Shutdown that
+        follows."""
+        streams, self._streams = self._streams, {}
+        if streams and not self.dead.done():
+            self._send(Abort(list(streams)))
+        for stream in streams.values():
+            stream._put(EngineFailure(reason, code=code))
+
     def fail_all(self, reason: str) -> None:
         """The engine is gone: end every open request with an error."""
         if not self.dead.done():

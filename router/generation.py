@@ -18,8 +18,8 @@ from typing import Any
 
 from protocol import SamplingParams
 from router.engine_client import EngineClient, EngineFailure, RequestStream
-from router.errors import ContextLengthExceeded
 from router.observability.records import RequestRecord, current_record
+from router.output_budget import check_prompt
 from router.text.detokenizer import IncrementalDetokenizer
 from router.text.model_text import ModelText
 from router.text.stop_strings import StopStringMatcher
@@ -31,14 +31,8 @@ def new_request_id(prefix: str) -> str:
 
 def check_context(prompt_ids: Sequence[int], max_context: int, param: str = "messages") -> None:
     """OpenAI's context_length_exceeded error when the prompt leaves no room
-    for even one generated token."""
-    if len(prompt_ids) >= max_context:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_context} tokens. However, your "
-            f"request has {len(prompt_ids)} input tokens, which leaves no room for output. "
-            "Please reduce the length of the input.",
-            n_prompt_tokens=len(prompt_ids), n_ctx=max_context, param=param,
-        )
+    for even one generated token (router/output_budget.py has the rest)."""
+    check_prompt(len(prompt_ids), max_context, param)
 
 
 @dataclass(frozen=True)
@@ -196,5 +190,7 @@ class Generation:
             "predicted_n": predicted_n,
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-            "predicted_per_second": predicted_n * 1000 / predicted_ms if predicted_ms else 0.0,
+            # One token ends the prompt phase and has no generation time of its own.
+            "predicted_per_second":
+                predicted_n * 1000 / predicted_ms if predicted_ms and predicted_n > 1 else 0.0,
         }

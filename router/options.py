@@ -11,15 +11,19 @@ the command line.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from protocol import EngineOptions
 from protocol.launch import DTYPES
 from router.settings import ModelSettings, SamplingOverrides
+from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
+from router.text.model_text import RENDERER_ARGUMENTS
 
 
 class OptionValueError(ValueError):
@@ -94,24 +98,26 @@ def boolean(text: str) -> bool:
     raise OptionValueError(f"expected true or false, got {text.strip()!r}")
 
 
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def device(text: str) -> str:
-    """cpu, cuda, cuda:N, or a bare GPU index N (llama.cpp's --device style),
-    which means cuda:N."""
+    """auto (a GPU when there is one, placed by the router; else the CPU),
+    cpu, cuda (any GPU), cuda:N, or a bare GPU index N (llama.cpp's --device
+    style), which means cuda:N."""
     value = text.strip()
     if value.isdigit():
         return f"cuda:{int(value)}"
     if not _DEVICE.fullmatch(value):
-        raise OptionValueError(f"must be cpu, cuda, cuda:N or a GPU index N, got {value!r}")
+        raise OptionValueError(f"must be auto, cpu, cuda, cuda:N or a GPU index N, got {value!r}")
     return value
 
 
 def kv_capacity(text: str) -> int:
-    """A token count, or `auto` (0): sized from the memory the device has left."""
+    """A token count; `auto` (-1): all the device memory the model is given;
+    0: what its lanes can use (the default)."""
     if text.strip().lower() == "auto":
-        return 0
+        return -1
     return integer(0)(text)
 
 
@@ -128,6 +134,59 @@ def names(text: str) -> tuple[str, ...]:
     return parts
 
 
+def is_inline_template(text: str) -> bool:
+    """llama.cpp's --chat-template takes the template itself: Jinja text, or
+    the name chatml."""
+    return "{%" in text or "{{" in text or text.strip() == "chatml"
+
+
+def template_file(text: str) -> str:
+    """A Jinja chat template file (or, as llama.cpp allows, the template text
+    itself or `chatml`), read and compiled now so that a bad one stops the
+    server at start (or a reload) with a message, not a request."""
+    if text.strip() == "chatml":
+        return CHATML_TEMPLATE
+    if is_inline_template(text):
+        source = text
+        try:
+            ChatTemplate(source)
+        except TemplateError as exc:
+            raise OptionValueError(str(exc)) from None
+        return source
+    path = Path(text.strip()).expanduser()
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptionValueError(f"cannot read the chat template {str(path)!r}: {exc}") from None
+    try:
+        ChatTemplate(source)
+    except TemplateError as exc:
+        raise OptionValueError(f"{str(path)!r}: {exc}") from None
+    return source
+
+
+def json_object(text: str) -> str:
+    """A JSON object, kept as canonical JSON text (settings must stay hashable)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise OptionValueError(f"expected a JSON object, got {text.strip()!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise OptionValueError(f"expected a JSON object, got {text.strip()!r}")
+    return json.dumps(value, sort_keys=True)
+
+
+def template_kwargs(text: str) -> str:
+    """Server-wide chat template variables: a JSON object that may not set
+    what the server sets from each request (messages, tools, ...)."""
+    canonical = json_object(text)
+    reserved = sorted(RENDERER_ARGUMENTS & json.loads(canonical).keys())
+    if reserved:
+        raise OptionValueError(f"may not set {reserved[0]!r}: the server sets it from each "
+                               "request")
+    return canonical
+
+
 @dataclass(frozen=True)
 class ModelOption:
     name: str
@@ -141,6 +200,10 @@ class ModelOption:
     flag: bool = False
     # Only a model's own preset section may set it (not [*], not the command line).
     section_only: bool = False
+    # A file path: in a preset, relative to the preset's directory.
+    is_path: bool = False
+    # What --help says the default is, when the default value itself says little.
+    default_text: str | None = None
 
     @property
     def default(self) -> Any:
@@ -157,8 +220,9 @@ class ModelOption:
 
 
 OPTIONS: tuple[ModelOption, ...] = (
-    ModelOption("device", device, "engine.device",
-                "cpu, cuda, cuda:N or N (the N-th GPU)", "DEVICE"),
+    ModelOption("device", device, "device",
+                "auto (a GPU when there is one, where the model fits best; else the CPU), "
+                "cpu, cuda (any GPU), cuda:N or N (pinned to the N-th GPU)", "DEVICE"),
     ModelOption("dtype", choice(*DTYPES), "engine.dtype",
                 "weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), "
                 "float32, bfloat16 or float16", "DTYPE"),
@@ -172,8 +236,15 @@ OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("max-context", integer(0), "engine.max_context",
                 "context length in tokens (0: the model's trained context)", "N"),
     ModelOption("kv-capacity", kv_capacity, "engine.kv_capacity_tokens",
-                "KV pool size in tokens, or auto (0): on a GPU, what the memory left after "
-                "weights, activations and CUDA graphs holds", "N|auto"),
+                "KV pool size in tokens; 0 (default): what the lanes can use (max-concurrency "
+                "x context + prefix-cache-tokens) within the memory given; auto: all the "
+                "memory given", "N|auto"),
+    ModelOption("prefix-cache-tokens", integer(0), "engine.prefix_cache_tokens",
+                "KV tokens kept beyond what the lanes can use, for cached prompt prefixes", "N"),
+    ModelOption("device-memory-mib", integer(0), "engine.device_memory_mib",
+                "GPU memory (MiB) this model may hold in all (weights, KV, activations, "
+                "graphs); the planner reserves it and the KV pool fills it "
+                "(0: planned from the checkpoint)", "MIB"),
     ModelOption("kv-headroom-mib", integer(0), "engine.kv_headroom_mib",
                 "device memory (MiB) that automatic KV sizing leaves free", "MIB"),
     ModelOption("cuda-graph", boolean, "engine.cuda_graph",
@@ -183,8 +254,9 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "output tokens admission reserves KV for, beyond the prompt", "N"),
     ModelOption("threads", integer(0), "engine.threads",
                 "CPU threads per engine (0: torch's default)", "N"),
-    ModelOption("seed", integer(0, 2**64 - 1), "engine.seed",
-                "seed of the shared generator for requests that bring no seed", "N"),
+    ModelOption("seed", integer(-1, 2**64 - 1), "sampling.seed",
+                "seed of requests that bring none, so repeated requests reproduce "
+                "(-1: a random seed per request)", "N", default_text="-1"),
     ModelOption("temp", number(0.0, 2.0), "sampling.temperature",
                 "default temperature for requests that set none", "T"),
     ModelOption("top-k", integer(-1), "sampling.top_k",
@@ -193,6 +265,15 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "default top_p for requests that set none", "P"),
     ModelOption("min-p", number(0.0, 1.0), "sampling.min_p",
                 "default min_p for requests that set none", "P"),
+    ModelOption("chat-template", template_file, "chat_template",
+                "a Jinja chat template file that replaces the model's own", "FILE",
+                is_path=True, default_text="the model's template"),
+    ModelOption("chat-template-file", template_file, "chat_template",
+                "llama.cpp's name for --chat-template", "FILE",
+                is_path=True, default_text="the model's template"),
+    ModelOption("chat-template-kwargs", template_kwargs, "chat_template_kwargs",
+                "template variables as a JSON object, e.g. '{\"enable_thinking\": false}'; "
+                "a request's chat_template_kwargs override them", "JSON", default_text="{}"),
     ModelOption("model-suspend", boolean, "model_suspend",
                 "to make room under --models-max, put this model to sleep instead of "
                 "unloading it", flag=True),
@@ -211,6 +292,9 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "load the model when the router starts", flag=True, section_only=True),
     ModelOption("alias", names, "aliases",
                 "other names requests may use for the model (a, b)", section_only=True),
+    ModelOption("tags", names, "tags",
+                "labels listed in the model's /models card (a, b); they do not affect routing",
+                "TAGS"),
 )
 
 BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}
@@ -218,11 +302,14 @@ BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}
 # Options of the router as a whole: refused in a preset, which configures models.
 ROUTER_OPTIONS = frozenset({
     "host", "port", "models-dir", "models-preset", "models-max", "models-autoload",
-    "no-models-autoload", "pending-timeout-ms", "log-level",
+    "devices", "device-headroom-mib",
+    "no-models-autoload", "pending-timeout-ms", "shutdown-grace-seconds", "log-level",
     "response-store-max-records", "response-store-max-mib",
     "api-key", "api-key-file", "metrics-open", "cors", "max-request-mib", "max-pending-requests",
     "max-token-count-requests", "default-max-tokens", "request-log-jsonl", "request-log-max-mib",
     "request-log-keep", "log-stats-interval-ms",
+    "cors-origins", "allowed-host", "http-header-timeout-ms", "http-body-timeout-ms",
+    "http-keepalive-timeout-ms", "max-connections",
 })
 
 
@@ -288,9 +375,13 @@ def _argparse_type(option: ModelOption) -> Callable[[str], Any]:
 
 
 def describe_default(option: ModelOption) -> str:
+    if option.default_text is not None:
+        return option.default_text
     if option.default is None:
         # Only the sampling defaults are unset: they fall through to the model.
         return "the model's generation_config.json, else llama.cpp's"
     if option.flag:
         return "true" if option.default else "false"
+    if option.default == ():
+        return "none"
     return str(option.default)

@@ -18,13 +18,17 @@ Comments take a whole line, starting with `;` or `#`.
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from router.options import BY_NAME, ROUTER_OPTIONS, OptionValueError
+from router.llamacpp_preset_keys import UNUSED_LLAMA_CPP_KEYS
+from router.options import BY_NAME, ROUTER_OPTIONS, OptionValueError, is_inline_template
+
+log = logging.getLogger(__name__)
 
 GLOBAL_SECTION = "*"
 PRESET_VERSION = 1
@@ -37,7 +41,7 @@ _LLAMA_CPP_NAMES = {
     "ctx-size": "max-context", "c": "max-context",
     "parallel": "max-concurrency", "np": "max-concurrency",
     "batch-size": "max-batched-tokens", "b": "max-batched-tokens",
-    "t": "threads", "s": "seed",
+    "t": "threads", "s": "seed", "temperature": "temp",
 }
 
 
@@ -94,6 +98,9 @@ class Preset:
     global_section: PresetSection | None = None
     # Model sections in file order; names are unique.
     sections: tuple[PresetSection, ...] = ()
+    # llama.cpp options Roundhouse does not use, with the line of each: accepted
+    # and named in one warning when the preset is loaded.
+    ignored: tuple[tuple[str, int], ...] = ()
 
     @property
     def global_options(self) -> dict[str, Any]:
@@ -115,7 +122,12 @@ def load_preset(path: Path) -> Preset:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PresetError(path, None, f"cannot read the preset: {exc}") from None
-    return parse_preset(text, path)
+    preset = parse_preset(text, path)
+    if preset.ignored:
+        listed = ", ".join(f"{key} (line {line})" for key, line in preset.ignored)
+        log.warning("preset %s: ignoring llama.cpp options Roundhouse does not use: %s",
+                    path, listed)
+    return preset
 
 
 def parse_preset(text: str, path: Path) -> Preset:
@@ -143,6 +155,7 @@ class _Parser:
         self.version_line = 0
         self.sections: dict[str, _OpenSection] = {}
         self.current: _OpenSection | None = None
+        self.ignored: list[tuple[str, int]] = []
 
     def parse(self, text: str) -> Preset:
         for number, raw in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
@@ -162,6 +175,7 @@ class _Parser:
             version=self.version,
             global_section=closed.pop(GLOBAL_SECTION, None),
             sections=tuple(closed.values()),
+            ignored=tuple(self.ignored),
         )
 
     def _fail(self, line: int, reason: str) -> NoReturn:
@@ -199,8 +213,15 @@ class _Parser:
             section.model, section.model_line = value, number
             return
         option = BY_NAME.get(key)
+        if option is None and key in UNUSED_LLAMA_CPP_KEYS and key not in ROUTER_OPTIONS:
+            self.ignored.append((key, number))
+            return
         if option is None:
             self._fail(number, self._unknown(key))
+        if (option.is_path and value and not is_inline_template(value)
+                and not Path(value).expanduser().is_absolute()):
+            # As for `model = PATH`: relative to the preset, wherever the server runs.
+            value = str(self.path.absolute().parent / value)
         try:
             parsed = option.parse(value)
         except OptionValueError as exc:
@@ -224,7 +245,9 @@ class _Parser:
         if key == "version":
             return "'version' goes at the top of the file, before any section"
         reason = f"unknown option {key!r}"
-        known = [*BY_NAME, "model"]
+        known = [*BY_NAME, "model", *UNUSED_LLAMA_CPP_KEYS]
         suggestion = _LLAMA_CPP_NAMES.get(key) or next(
             iter(difflib.get_close_matches(key, known, n=1, cutoff=0.6)), None)
+        if suggestion in UNUSED_LLAMA_CPP_KEYS:
+            return f"{reason} (did you mean {suggestion!r}, a llama.cpp option Roundhouse ignores?)"
         return f"{reason} (did you mean {suggestion!r}?)" if suggestion else reason

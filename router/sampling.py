@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from protocol import GrammarSpec, SamplingParams
@@ -29,6 +31,9 @@ class SamplingDefaults:
     top_k: int = int(SERVER_DEFAULTS["top_k"])
     top_p: float = SERVER_DEFAULTS["top_p"]
     min_p: float = SERVER_DEFAULTS["min_p"]
+    # --seed: the seed of requests that bring none; -1 draws a fresh random
+    # seed per request (llama.cpp's default).
+    seed: int = -1
 
     @classmethod
     def for_model(cls, model_path: Path, overrides: SamplingOverrides) -> SamplingDefaults:
@@ -62,7 +67,7 @@ class SamplingDefaults:
 @dataclass(frozen=True)
 class SamplingRequest:
     """What a request asked for, in any API's terms; None leaves a choice to
-    the defaults (max_tokens None: ModelManager.output_budget decides)."""
+    the defaults (max_tokens None or -1: router/output_budget.py decides)."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -80,6 +85,27 @@ class SamplingRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     report_progress: bool = False
+    # token id -> bias added to its logit (-inf bans it); checked against the
+    # vocabulary by build_params.
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+
+def resolve_seed(seed: int | None, defaults: SamplingDefaults) -> int:
+    """The request's seed, else the configured one, else a fresh random one:
+    every request samples from its own stream, so its tokens never depend on
+    what ran before it (streamed and not streamed alike)."""
+    if seed is not None:
+        return seed
+    if defaults.seed >= 0:
+        return defaults.seed
+    return secrets.randbits(64)
+
+
+def check_logit_bias(bias: Mapping[int, float], n_vocab: int, param: str = "logit_bias") -> None:
+    bad = next((token for token in bias if not 0 <= token < n_vocab), None)
+    if bad is not None:
+        raise invalid(f"'{param}' names token id {bad}, outside this model's vocabulary "
+                      f"(0..{n_vocab - 1})", param)
 
 
 def check_range(value: float | None, name: str, low: float, high: float, *, low_open: bool = False) -> None:
@@ -99,7 +125,11 @@ def build_params(
     defaults: SamplingDefaults,
     eos_token_ids: tuple[int, ...],
     grammar: GrammarSpec | None = None,
+    n_vocab: int | None = None,
 ) -> SamplingParams:
+    """n_vocab (the loaded model's vocabulary size) checks logit_bias ids."""
+    if n_vocab is not None:
+        check_logit_bias(request.logit_bias, n_vocab)
     top_k = request.top_k if request.top_k is not None else defaults.top_k
     return SamplingParams(
         max_tokens=max_tokens,
@@ -111,7 +141,7 @@ def build_params(
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         penalty_last_n=request.penalty_last_n,
-        seed=request.seed,
+        seed=resolve_seed(request.seed, defaults),
         # The model's end tokens stop generation unless the client asked to
         # ignore them (benchmarks do).
         stop_token_ids=sorted(
@@ -120,4 +150,5 @@ def build_params(
         ignore_eos=request.ignore_eos,
         grammar=grammar,
         report_progress=request.report_progress,
+        logit_bias=dict(request.logit_bias),
     )

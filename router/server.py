@@ -21,6 +21,7 @@ from router.app import create_app
 from router.catalog import build_catalog
 from router.config import ServeConfig
 from router.http.auth import KEY_STORE, AuthConfigError, KeyStore
+from router.http.connections import ConnectionLimits, GuardedSite
 from router.lifecycle import ModelManager
 from router.lifecycle.manager import EXIT_STARTUP_FAILED
 from router.lifecycle.reload import reload_catalog
@@ -59,7 +60,8 @@ async def run(config: ServeConfig) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=HANDLER_SHUTDOWN_SECONDS)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Its connections carry the header/body deadlines and the connection bound.
+    site = GuardedSite(runner, config.host, config.port, ConnectionLimits.from_config(config))
     try:
         # Bind before any model loads, so a port clash is reported at once.
         await site.start()
@@ -70,9 +72,11 @@ async def run(config: ServeConfig) -> int:
         return EXIT_STARTUP_FAILED
     # Handlers first: once READY=1 is out, systemd may send SIGHUP at once.
     stop = asyncio.Event()
+    # A second SIGTERM/SIGINT during the drain ends it at once.
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, _on_stop_signal, stop, hurry)
     loop.add_signal_handler(signal.SIGHUP, _on_sighup, manager, keys)
     count = len(catalog.entries)
     log.info("listening on http://%s:%d (%d model%s)", config.host, config.port,
@@ -87,14 +91,42 @@ async def run(config: ServeConfig) -> int:
     stopping.cancel()
     log.info("shutting down%s", f" (exit status {status})" if status else "")
     notify("STOPPING=1")
-    # Stop admitting first; runner.cleanup() then closes the listener, stops
-    # the engines (on_shutdown: in-flight requests end with 503) and waits
-    # for the handlers.
+    # Stop admitting first (new and queued requests get 503 shutting_down,
+    # the port stays open to say so); running requests get
+    # --shutdown-grace-seconds to finish. runner.cleanup() then closes the
+    # listener, ends what still runs (an error event or 503) and stops the
+    # engines (on_shutdown), and waits for the handlers.
     manager.begin_shutdown()
+    if not status:
+        await _drain(manager, config.shutdown_grace_seconds, hurry)
     await runner.cleanup()
     # After the handlers: the requests that shutdown ended are in the log.
     await operator_logs.close(status)
     return status
+
+
+def _on_stop_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:
+    if stop.is_set():
+        log.warning("second stop signal: ending the requests still running now")
+        hurry.set()
+    stop.set()
+
+
+async def _drain(manager: ModelManager, grace: float, hurry: asyncio.Event) -> None:
+    # One turn first: the queued requests that begin_shutdown refused leave.
+    await asyncio.sleep(0)
+    running = manager.in_flight
+    if not running:
+        return
+    log.info("waiting up to %gs for %d running request%s to finish (--shutdown-grace-seconds)",
+             grace, running, "" if running == 1 else "s")
+    notify(f"STATUS=draining {running} request(s)")
+    if await manager.drain(grace, hurry):
+        log.info("every running request finished")
+    else:
+        left = manager.in_flight
+        log.warning("%d request%s still running after the grace period; ending %s with an error",
+                    left, "" if left == 1 else "s", "it" if left == 1 else "them")
 
 
 def _is_loopback(host: str) -> bool:

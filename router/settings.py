@@ -19,11 +19,17 @@ class SamplingOverrides:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    # --seed for requests that bring none (-1: a random seed per request).
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
 class ModelSettings:
     engine: EngineOptions = field(default_factory=EngineOptions)
+    # Where the engine runs: auto (a GPU when there is one, placed by the
+    # router's planner, else the CPU), cpu, cuda (any GPU) or cuda:N (pinned).
+    # The router writes the chosen device into the engine's options at launch.
+    device: str = "auto"
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     # To make room under --models-max, sleep this model instead of unloading it.
     model_suspend: bool = False
@@ -41,3 +47,10 @@ class ModelSettings:
     load_on_startup: bool = False
     # Other names requests may use for this model.
     aliases: tuple[str, ...] = ()
+    # --chat-template FILE: the Jinja source that replaces the model's template.
+    chat_template: str | None = None
+    # --chat-template-kwargs: a JSON object of template variables every request
+    # gets unless it sets them itself. Kept as JSON text so settings stay hashable.
+    chat_template_kwargs: str = "{}"
+    # Labels listed in the model's /models card (llama.cpp's --tags); no effect on routing.
+    tags: tuple[str, ...] = ()

@@ -133,12 +133,16 @@ class EngineProcess:
         if not self.stopping:
             self.client.fail_all(f"engine process exited with status {code}")
 
-    async def stop(self, reason: str = "the model was unloaded") -> None:
+    async def stop(self, reason: str = "the model was unloaded",
+                   code: str = "engine_failed") -> None:
         """Ask the engine to shut down; terminate, then kill, if it won't
-        (each after the model's stop timeout)."""
+        (each after the model's stop timeout). Requests still open end with
+        an error (`reason`) at once, and the engine is told to abort them
+        before it gets Shutdown, so it exits 0 with nothing left over."""
         self.stopping = True
         grace = self.entry.settings.stop_timeout
         process = self.process
+        self.client.end_all(reason, code)
         if process is not None and process.returncode is None:
             self.client.shutdown()
             for action in (None, process.terminate, process.kill):
@@ -151,6 +155,9 @@ class EngineProcess:
                     break
                 except TimeoutError:
                     continue
+            if self.exited.done():
+                log.info("engine for %s stopped (exit status %d)", self.entry.id,
+                         self.exited.result())
         if self._pump is not None:
             await asyncio.gather(self._pump, return_exceptions=True)
         self.client.fail_all(reason)

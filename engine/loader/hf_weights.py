@@ -39,11 +39,9 @@ class HFCheckpoint:
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
-    """config.json, with generation_config.json's end-of-sequence ids merged in.
-
-    Instruct models often list their turn-end token (Llama 3's <|eot_id|>)
-    only in generation_config.json, and generation must stop on it too.
-    """
+    """config.json. Its token ids (and generation_config.json's) are not read
+    here: end-of-sequence ids are the router's (router/text/model_text.py),
+    sent with every request, so the two processes cannot disagree on them."""
     config_path = directory / "config.json"
     try:
         cfg = json.loads(config_path.read_text())
@@ -53,11 +51,6 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
-    generation_path = directory / "generation_config.json"
-    if generation_path.is_file():
-        extra = json.loads(generation_path.read_text()).get("eos_token_id")
-        if extra is not None:
-            cfg["eos_token_id"] = _as_list(cfg.get("eos_token_id")) + _as_list(extra)
     return cfg
 
 
@@ -88,9 +81,3 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
     return config.tie_word_embeddings and name == "lm_head.weight"
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)

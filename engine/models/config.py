@@ -37,8 +37,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # biases on the q/k/v projections
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    # No token ids (BOS, EOS): those are the tokenizer's facts, and the router
+    # owns the tokenizer; it sends the end tokens with each request.
     # Bias on the attention output projection (Llama's and Qwen3's attention_bias).
     o_proj_bias: bool = False
 
@@ -125,8 +125,6 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=traits.qkv_bias,
             qk_norm=traits.qk_norm,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
             o_proj_bias=traits.o_proj_bias,
         )
 
@@ -148,7 +146,6 @@ class ModelConfig:
                 f"GGUF has key/value/rotary sizes {head_dim}/{value_dim}/{rotary_dim}; "
                 "only models with one head size and full rotary embeddings are supported"
             )
-        eos = [meta.get(f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom")]
         return cls(
             architecture=architecture,
             vocab_size=meta.vocab_size(),
@@ -165,18 +162,8 @@ class ModelConfig:
             tie_word_embeddings=not meta.has_tensor("output.weight"),
             attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
             qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
-            eos_token_ids=_id_tuple([i for i in eos if i is not None]),
             o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
         )
-
-
-def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(dict.fromkeys(int(i) for i in value))
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:

@@ -14,13 +14,15 @@ from router.anthropic.blocks import ContentBlocks
 from router.anthropic.reply import message, new_message_id, stop_reason
 from router.anthropic.request import chat_request, messages_request
 from router.anthropic.schemas import CountTokensRequest, MessagesRequest
-from router.anthropic.stream import MessageStream
+from router.anthropic.stream import MessageStream, streaming_lease
 from router.chat.turn import prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.generation import PromptProgress
-from router.http.errors import decode_body, new_anthropic_request_id
+from router.http.errors import decode_body, engine_error
 from router.http.keys import MANAGER
-from router.openai.common import autoload, engine_error
+from router.http.request_id import request_id_of
+from router.http.sse import StreamOpenedError
+from router.openai.common import autoload
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -30,22 +32,29 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     slot = manager.resolve(req.model)
     prepared = await prepare_turn(manager, slot, chat)
     message_id = new_message_id()
-    request_id = new_anthropic_request_id()
+    request_id = request_id_of(request)
     blocks = ContentBlocks(show_thinking=thinking.show, one_tool_use=not chat.parallel_tool_calls)
-    async with manager.lease(slot, autoload=autoload(request)) as engine:
-        run = start_turn(manager, prepared, engine, message_id)
-        if req.stream:
-            stream = MessageStream(request, run, blocks, message_id=message_id, model=slot.id,
-                                   request_id=request_id)
-            return await stream.send()
-        try:
-            async for event in run.events():
-                if not isinstance(event, PromptProgress):
-                    blocks.feed(event)
-        except EngineFailure as exc:
-            raise engine_error(exc) from None
-        finally:
-            run.generation.close()
+    lease = manager.lease(slot, autoload=autoload(request),
+                          on_admit=lambda loaded: prepared.admit(loaded, clamp=True))
+    if req.stream:
+        lease = streaming_lease(request, lease, request_id)
+    try:
+        async with lease as engine:
+            run = start_turn(manager, prepared, engine, message_id)
+            if req.stream:
+                stream = MessageStream(request, run, blocks, message_id=message_id, model=slot.id,
+                                       request_id=request_id)
+                return await stream.send()
+            try:
+                async for event in run.events():
+                    if not isinstance(event, PromptProgress):
+                        blocks.feed(event)
+            except EngineFailure as exc:
+                raise engine_error(exc) from None
+            finally:
+                run.generation.close()
+    except StreamOpenedError as opened:
+        return opened.response
     blocks.finish()
     body = message(message_id, slot.id, blocks.blocks, run, stop=stop_reason(run, blocks.has_tool_use))
     return web.json_response(body, headers={"request-id": request_id})
@@ -59,4 +68,4 @@ async def count_tokens(request: web.Request) -> web.Response:
     slot = manager.resolve(req.model)
     prepared = await prepare_turn(manager, slot, chat_request(req))
     return web.json_response({"input_tokens": len(prepared.prompt_ids)},
-                             headers={"request-id": new_anthropic_request_id()})
+                             headers={"request-id": request_id_of(request)})

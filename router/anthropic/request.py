@@ -17,7 +17,9 @@ from router.anthropic.fields import refuse
 from router.anthropic.schemas import ConversationFields, MessagesRequest
 from router.anthropic.tools import function_tools, tool_choice
 from router.chat.request import ChatRequest
+from router.json_schema_limits import check_enforceable
 from router.sampling import SamplingRequest, check_range
+from router.text.stop_strings import check_stops
 
 # Anthropic's floor for an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
@@ -69,7 +71,16 @@ def answer_format(output_config: dict[str, Any] | None) -> GrammarSpec | None:
     schema = fmt.get("schema")
     if not isinstance(schema, dict):
         raise refuse("output_config.format.schema", "the format needs a schema, a JSON schema object")
+    # Anthropic's structured outputs always follow the schema exactly.
+    check_enforceable(schema, "output_config.format.schema")
     return GrammarSpec("json_schema", json.dumps(schema))
+
+
+def _check_strict_tools(tools: list[dict[str, Any]] | None) -> None:
+    """A tool with strict: true must have a schema the grammar can enforce."""
+    for index, tool in enumerate(tools or ()):
+        if isinstance(tool, dict) and tool.get("strict") is True:
+            check_enforceable(tool.get("input_schema"), f"tools[{index}].input_schema")
 
 
 def _sampling(req: MessagesRequest, *, stream: bool) -> SamplingRequest:
@@ -84,7 +95,7 @@ def _sampling(req: MessagesRequest, *, stream: bool) -> SamplingRequest:
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
-        stop=tuple(s for s in req.stop_sequences or () if s),
+        stop=check_stops(req.stop_sequences or (), "stop_sequences"),
         # A stream sends message_start once the engine reports the prompt's
         # cache hits, which progress reports carry before the first token.
         report_progress=stream,
@@ -99,6 +110,7 @@ def chat_request(req: ConversationFields, *, sampling: SamplingRequest | None = 
                      "send the tools as custom tools")
     talk = conversation(req.system, req.messages)
     tools = function_tools(req.tools)
+    _check_strict_tools(req.tools)
     choice, parallel = tool_choice(req.tool_choice, tools)
     thinking = thinking or thinking_choice(req.thinking, None)
     return ChatRequest(

@@ -49,6 +49,9 @@ class ToolCallEnd:
     id: str
     name: str
     arguments: str
+    # False when the token limit cut the call: arguments are what was
+    # generated, possibly not a whole JSON object (or "").
+    complete: bool = True
 
 
 ParsedEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallDelta | ToolCallEnd

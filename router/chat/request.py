@@ -35,8 +35,12 @@ class ChatRequest:
     # Text the assistant turn already starts with (an Anthropic prefill); the
     # model continues it and it is not sent back.
     prefill: str = ""
-    # Constrains the answer (JSON schema or any JSON object).
+    # Constrains the answer: a JSON schema, any JSON object, a regular
+    # expression or a GBNF grammar.
     response_format: GrammarSpec | None = None
+    # False renders the conversation without opening an assistant turn
+    # (vLLM's add_generation_prompt); a prefill never opens one either.
+    add_generation_prompt: bool = True
     # Ids of generated tool calls start with this ("call_" for OpenAI,
     # "toolu_" for Anthropic).
     tool_id_prefix: str = "call_"

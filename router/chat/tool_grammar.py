@@ -16,13 +16,13 @@ from protocol import GrammarSpec
 
 _FORMATS = {
     "hermes": {
-        "trigger": "<tool_call>",
+        "opener": '<tool_call>\n{"name": "',
         "begin": '<tool_call>\n{{"name": "{name}", "arguments": ',
         "style": "json",
         "end": "}\n</tool_call>",
     },
     "qwen3_coder": {
-        "trigger": "<tool_call>\n<function=",
+        "opener": "<tool_call>\n<function=",
         "begin": "<tool_call>\n<function={name}>\n",
         "style": "qwen_xml",
         "end": "\n</function>\n</tool_call>",
@@ -35,14 +35,44 @@ def _schema(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
-def _call_tag(tool_format: str, tool: dict[str, Any]) -> dict[str, Any]:
+def call_opener(tool_format: str, only: str | None) -> str:
+    """The start of a forced call that the router writes into the prompt, so
+    the model spends no tokens on it: the wrapper, and the name when the
+    choice names one tool. The parser is fed the same text (its prefill)."""
     shape = _FORMATS[tool_format]
+    if only is not None:
+        return shape["begin"].format(name=only)
+    return shape["opener"]  # up to the name, which the grammar picks among the tools
+
+
+def _call_tag(tool_format: str, tool: dict[str, Any], *, before: str = "",
+              opener: str = "") -> dict[str, Any]:
+    shape = _FORMATS[tool_format]
+    begin = shape["begin"].format(name=tool["function"]["name"])
+    assert begin.startswith(opener)
     return {
         "type": "tag",
-        "begin": shape["begin"].format(name=tool["function"]["name"]),
+        "begin": before + begin[len(opener):],
         "content": {"type": "json_schema", "json_schema": _schema(tool), "style": shape["style"]},
         "end": shape["end"],
     }
+
+
+def _one_of(tags: list[dict[str, Any]]) -> dict[str, Any]:
+    return tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+
+
+def _calls(tool_format: str, tools: list[dict[str, Any]], *, parallel: bool,
+           opener: str) -> dict[str, Any]:
+    """One call (its opener already in the prompt when given), then, when
+    parallel, more calls each on a new line, then nothing: once the calls
+    close, only an end-of-sequence token may follow, so the turn ends there
+    instead of running on as free text to the token limit."""
+    first = _one_of([_call_tag(tool_format, tool, opener=opener) for tool in tools])
+    if not parallel:
+        return first
+    more = _one_of([_call_tag(tool_format, tool, before="\n") for tool in tools])
+    return {"type": "sequence", "elements": [first, {"type": "star", "content": more}]}
 
 
 def _with_thinking(body: dict[str, Any], thinking: str) -> dict[str, Any]:
@@ -66,30 +96,33 @@ def forced_tool_grammar(
     only: str | None,
     parallel: bool,
     thinking: str,
+    opener: str = "",
 ) -> GrammarSpec:
-    """The turn must call a tool: `only` names the one it must call, else any
-    of `tools`, once or (parallel) several times."""
+    """The turn must call a tool: `only` names the one it must call (once),
+    else any of `tools`, once or (parallel) several times. `opener` is the
+    start of the first call already written at the end of the prompt
+    (call_opener); thinking is then "off"."""
     if only is not None:
         (tool,) = [t for t in tools if t["function"]["name"] == only]
-        body: dict[str, Any] = _call_tag(tool_format, tool)
+        body: dict[str, Any] = _call_tag(tool_format, tool, opener=opener)
     else:
-        body = {
-            "type": "triggered_tags",
-            "triggers": [_FORMATS[tool_format]["trigger"]],
-            "tags": [_call_tag(tool_format, tool) for tool in tools],
-            "at_least_one": True,
-            "stop_after_first": not parallel,
-            "excludes": _THINK_TAGS,
-        }
+        body = _calls(tool_format, tools, parallel=parallel, opener=opener)
     tag = {"type": "structural_tag", "format": _with_thinking(body, thinking)}
     return GrammarSpec("structural_tag", json.dumps(tag))
 
 
 def answer_grammar(answer: GrammarSpec, thinking: str) -> GrammarSpec:
-    """A JSON answer format (json_schema / json_object) after optional thinking."""
+    """An answer format (json_schema, json_object, regex or ebnf: response_format,
+    vLLM's guided_* fields, llama.cpp's grammar) after optional thinking."""
     if thinking == "off":
         return answer
-    schema: Any = json.loads(answer.source) if answer.kind == "json_schema" else {"type": "object"}
-    body = {"type": "json_schema", "json_schema": schema}
+    body: dict[str, Any]
+    if answer.kind == "regex":
+        body = {"type": "regex", "pattern": answer.source}
+    elif answer.kind == "ebnf":
+        body = {"type": "grammar", "grammar": answer.source}
+    else:
+        schema: Any = json.loads(answer.source) if answer.kind == "json_schema" else {"type": "object"}
+        body = {"type": "json_schema", "json_schema": schema}
     tag = {"type": "structural_tag", "format": _with_thinking(body, thinking)}
     return GrammarSpec("structural_tag", json.dumps(tag))

@@ -1,7 +1,7 @@
 """One assistant turn: render the prompt, run the generation, split its output.
 
     prepared = await prepare_turn(manager, slot, request)   # template + tokens, no engine
-    async with manager.lease(slot, autoload=...) as engine:
+    async with manager.lease(slot, autoload=..., on_admit=prepared.admit) as engine:
         run = start_turn(manager, prepared, engine, request_id)
         async for event in run.events(): ...                # ParsedEvent | PromptProgress
     run.finish_reason, run.usage(), run.generation.timings()
@@ -28,13 +28,14 @@ from router.chat.events import (
     ToolCallEnd,
 )
 from router.chat.request import ChatRequest, NamedTool
-from router.chat.tool_grammar import answer_grammar, forced_tool_grammar
+from router.chat.tool_grammar import answer_grammar, call_opener, forced_tool_grammar
 from router.errors import invalid
 from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
 from router.lifecycle import ModelManager, ModelSlot
 from router.observability.records import current_record
+from router.output_budget import fits, output_budget
 from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format
-from router.sampling import build_params
+from router.sampling import build_params, check_logit_bias
 from router.supervisor import EngineProcess
 from router.text.chat_template import TemplateError
 from router.text.model_text import ModelText
@@ -52,6 +53,18 @@ class PreparedTurn:
     # "off" (no thinking), "open" (the output starts with <think>) or
     # "inside" (the prompt already opened <think>).
     thinking: str
+    # The start of a forced tool call written at the end of the prompt (and
+    # fed to the tool-call parser first), or "".
+    opener: str = ""
+
+    def admit(self, slot: ModelSlot, *, param: str = "messages", limit_field: str = "max_tokens",
+              clamp: bool = False) -> None:
+        """The lease's on_admit check: the prompt and (unless clamp) the asked
+        output fit the loaded model's context (a 400 before any wait for a lane)."""
+        fits(len(self.prompt_ids), self.request.sampling.max_tokens, slot.max_context,
+             param=param, limit_field=limit_field, clamp=clamp)
+        if slot.ready is not None:
+            check_logit_bias(self.request.sampling.logit_bias, slot.ready.model.n_vocab)
 
 
 async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequest) -> PreparedTurn:
@@ -65,8 +78,9 @@ async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequ
     if request.prefill:
         messages.append({"role": "assistant", "content": request.prefill})
     try:
-        prompt = text.render_chat(
-            messages, add_generation_prompt=not request.prefill, tools=offered,
+        prompt = await text.render_chat_async(
+            messages, add_generation_prompt=request.add_generation_prompt and not request.prefill,
+            tools=offered,
             continue_final_message=bool(request.prefill), **kwargs,
         )
     except TemplateError as exc:
@@ -78,17 +92,41 @@ async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequ
     else:
         thinking = "inside" if starts_inside else "open"
     tool_format = (detect_tool_format(source) or "hermes") if offered else None
+    opener = _opener(request, tool_format, thinking)
+    prompt += opener
     return PreparedTurn(slot, text, request, prompt, await text.encode_prompt_async(prompt),
-                        tool_format, thinking)
+                        tool_format, thinking, opener)
+
+
+def _forced(request: ChatRequest, tool_format: str | None) -> bool:
+    choice = request.tool_choice
+    return tool_format is not None and (choice == "required" or isinstance(choice, NamedTool))
+
+
+def _opener(request: ChatRequest, tool_format: str | None, thinking: str) -> str:
+    """A forced call starts in the prompt: the model goes on from the wrapper
+    (and the name), so the call costs what a free one does instead of the
+    wrapper spelled token by token under the grammar. Not when the model may
+    think first, nor after a prefill the call must follow."""
+    if not _forced(request, tool_format) or thinking != "off" or request.prefill:
+        return ""
+    assert tool_format is not None
+    choice = request.tool_choice
+    if isinstance(choice, NamedTool):
+        return call_opener(tool_format, choice.name)
+    # "required" with one tool to call names it; with several, the model names one.
+    only = request.tools[0]["function"]["name"] if len(request.tools) == 1 else None
+    return call_opener(tool_format, only)
 
 
 def _grammar(prepared: PreparedTurn) -> GrammarSpec | None:
     request = prepared.request
     choice = request.tool_choice
-    if prepared.tool_format is not None and (choice == "required" or isinstance(choice, NamedTool)):
+    if prepared.tool_format is not None and _forced(request, prepared.tool_format):
         only = choice.name if isinstance(choice, NamedTool) else None
         return forced_tool_grammar(prepared.tool_format, request.tools, only=only,
-                                   parallel=request.parallel_tool_calls, thinking=prepared.thinking)
+                                   parallel=request.parallel_tool_calls, thinking=prepared.thinking,
+                                   opener=prepared.opener)
     if request.response_format is not None:
         return answer_grammar(request.response_format, prepared.thinking)
     return None
@@ -98,9 +136,8 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
                request_id: str) -> TurnRun:
     """Check the prompt against the loaded model and submit it."""
     slot = prepared.slot
-    max_context = slot.max_context
     prompt_ids = prepared.prompt_ids
-    check_context(prompt_ids, max_context)
+    check_context(prompt_ids, slot.max_context)
     sampling = prepared.request.sampling
     grammar = _grammar(prepared)
     if grammar is not None:
@@ -109,10 +146,12 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
         engine.client.send_vocab_once(lambda: grammar_vocab(prepared.text))
     params = build_params(
         sampling,
-        max_tokens=manager.output_budget(slot, len(prompt_ids), sampling.max_tokens),
+        max_tokens=output_budget(slot.max_context, len(prompt_ids), sampling.max_tokens,
+                                 manager.config.default_max_tokens),
         defaults=manager.sampling_defaults(slot),
         eos_token_ids=prepared.text.eos_token_ids,
         grammar=grammar,
+        n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None,
     )
     spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens)
     return TurnRun(prepared, Generation(engine.client, prepared.text, request_id, spec))
@@ -131,7 +170,8 @@ class TurnRun:
             if prepared.thinking != "off" else None
         )
         self._tools = (
-            ToolCallParser(prepared.tool_format, request.tools, id_prefix=request.tool_id_prefix)
+            ToolCallParser(prepared.tool_format, request.tools, id_prefix=request.tool_id_prefix,
+                           prefill=prepared.opener)
             if prepared.tool_format else None
         )
 
@@ -162,7 +202,10 @@ class TurnRun:
         events = self._reasoning.flush() if self._reasoning is not None else []
         out = self._answer(events)
         if self._tools is not None:
-            out.extend(self._record(self._tools.flush()))
+            # Cut by the token limit: an open call is reported as cut, never
+            # completed with invented arguments or shown as text.
+            cut = self.generation.finish_reason == "length"
+            out.extend(self._record(self._tools.flush(cut=cut)))
         return out
 
     def _answer(self, events: list[Any]) -> list[ParsedEvent]:

@@ -33,7 +33,6 @@ from aiohttp.typedefs import Middleware
 
 from router import env
 from router.config import ServeConfig
-from router.http.cors import is_preflight
 from router.http.errors import ApiError
 from router.http.route_info import Access, route_of
 from router.observability.records import current_record
@@ -150,6 +149,11 @@ def read_key_file(path: Path) -> tuple[list[KeyDigest], Stamp]:
         if info.st_mode & _EXPOSED_MODE:
             raise KeyFileError(f"it is readable or writable by group or others "
                                f"(mode {stat.S_IMODE(info.st_mode):03o}); chmod 600 it", stamp)
+        # As OpenSSH asks of authorized_keys: another user who owns the file
+        # can chmod it and write keys of their own in.
+        if info.st_uid not in (os.geteuid(), 0):
+            raise KeyFileError(f"it is owned by uid {info.st_uid}, neither the user the server "
+                               f"runs as (uid {os.geteuid()}) nor root; chown it", stamp)
     except BaseException:
         os.close(fd)
         raise
@@ -287,7 +291,8 @@ def auth_middleware(store: KeyStore, *, metrics_open: bool) -> Middleware:
     error middleware, so a 401 comes in the route's own error shape."""
     @web.middleware
     async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
-        if not store.enabled or is_preflight(request) or _is_open(request, metrics_open):
+        # CORS preflights never get here: the CORS middleware answers them.
+        if not store.enabled or _is_open(request, metrics_open):
             return await handler(request)
         store.refresh()
         keys = presented_keys(request)

@@ -17,8 +17,17 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
+from router.engine_client import EngineFailure
 from router.errors import ErrorKind, RouterError, invalid
+from router.http.json_bounds import (
+    INT_MAX,
+    INT_MIN,
+    MAX_JSON_DEPTH,
+    nested_too_deeply,
+    out_of_range_int,
+)
 from router.http.route_info import Api, api_of
 
 log = logging.getLogger(__name__)
@@ -121,7 +130,11 @@ def new_anthropic_request_id() -> str:
 def llamacpp_error_body(error: ApiError) -> dict[str, Any]:
     """llama.cpp's shape: the HTTP status as `code`; like llama.cpp's own
     specific errors (which add n_ctx and friends) ours add a `reason`."""
-    body: dict[str, Any] = {"code": error.status, "message": error.message, "type": error.type}
+    kind = error.type
+    if error.code == "context_length_exceeded":
+        # llama.cpp's own name for it, with n_prompt_tokens and n_ctx beside.
+        kind = "exceed_context_size_error"
+    body: dict[str, Any] = {"code": error.status, "message": error.message, "type": kind}
     if error.code:
         body["reason"] = error.code
     body.update(error.details)
@@ -139,9 +152,10 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def error_response(error: ApiError, shape: Api = Api.OPENAI) -> web.Response:
+def error_response(error: ApiError, shape: Api = Api.OPENAI,
+                   request_id: str | None = None) -> web.Response:
     if shape is Api.ANTHROPIC:
-        request_id = new_anthropic_request_id()
+        request_id = request_id or new_anthropic_request_id()
         return web.json_response(anthropic_error_body(error, request_id),
                                  status=anthropic_status(error),
                                  headers={**error.headers, "request-id": request_id})
@@ -169,6 +183,16 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         # --max-request-mib) in the API's shape.
         code = "request_too_large" if exc.status == 413 else exc.reason.lower().replace(" ", "_")
         return _render(request, ApiError(exc.status, exc.reason, code=code), shape)
+    except RequestPayloadError as exc:
+        # Reading the body failed in aiohttp: above all, one sent with
+        # Content-Encoding: gzip or deflate that does not decompress. The rest
+        # of it cannot be read either: answer, then close the connection, and
+        # mark the body ended so that aiohttp does not try to drain it first
+        # (it would log the same failure as an unhandled exception).
+        response = _render(request, unreadable_body(request, exc), shape)
+        response.force_close()
+        request.content.feed_eof()
+        return response
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = ApiError(500, "internal server error; see the server log", code="internal_error")
@@ -182,7 +206,10 @@ def _render(request: web.Request, error: ApiError, shape: Api) -> web.Response:
     record = request.get(RECORD)
     if record is not None:
         record.error_code = error.code
-    return error_response(error, shape)
+    # The body's request_id is the one the headers carry (router/http/request_id.py).
+    from router.http.request_id import request_id_of
+
+    return error_response(error, shape, request_id_of(request))
 
 
 def _param_from_path(path: str) -> str | None:
@@ -191,11 +218,17 @@ def _param_from_path(path: str) -> str | None:
 
 
 def decode_body(raw: bytes, struct: type) -> Any:
-    """Parse a JSON request body into a typed Struct, or raise a 400 naming the field."""
+    """Parse a JSON request body into a typed Struct, or raise a 400 naming the field.
+
+    Beyond the types: nesting deeper than MAX_JSON_DEPTH and integers outside
+    64 bits are refused too (router/http/json_bounds.py says why)."""
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return msgspec.json.decode(raw, type=struct)
+        body = msgspec.json.decode(raw, type=struct)
+    except RecursionError:
+        # msgspec gives up at the interpreter's recursion limit, far past ours.
+        raise _too_deep() from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         message, _, path = text.partition(" - at `")
@@ -207,3 +240,50 @@ def decode_body(raw: bytes, struct: type) -> Any:
         raise invalid(f"invalid type for '{param}': {message}", param, "invalid_type") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if nested_too_deeply(raw):
+        raise _too_deep()
+    big = out_of_range_int(raw, body)
+    if big is not None:
+        path, value = big
+        raise invalid(f"'{path}' holds {value}, outside what a 64-bit integer holds "
+                      f"({INT_MIN}..{INT_MAX})", path)
+    return body
+
+
+def unreadable_body(request: web.Request, exc: RequestPayloadError) -> ApiError:
+    encoding = request.headers.get("Content-Encoding")
+    said = f" (sent with Content-Encoding: {encoding})" if encoding else ""
+    cause = exc.__cause__ or exc
+    # aiohttp's errors read "400, message: ..."; their message alone says it.
+    reason = str(getattr(cause, "message", cause)).strip()
+    return ApiError(400, f"the request body could not be read{said}: {reason}", code="invalid_body")
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} "
+                    "levels deep", code="invalid_json")
+
+
+def engine_error(exc: EngineFailure) -> ApiError:
+    """What an engine's refusal or death (router/engine_client.py) says: a refusal
+    is the client's 400, a dead engine a 503, a request ended by the shutdown
+    a 503 shutting_down."""
+    if exc.code == "context_length_exceeded":
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    if exc.code == "invalid_grammar":
+        # The engine's xgrammar refused the constraint (bad GBNF, regex or schema).
+        return api_error(invalid(str(exc), "grammar", "invalid_grammar"))
+    if exc.code in ("invalid_request", "duplicate_request"):
+        return api_error(invalid(str(exc), None, exc.code))
+    if exc.code == "shutting_down":
+        return ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": "5"})
+    return ApiError(503, str(exc), code="engine_failed", headers={"Retry-After": "1"})
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """What an error raised while a stream is open says in its error event."""
+    if isinstance(exc, RouterError):
+        return api_error(exc)
+    if isinstance(exc, EngineFailure):
+        return engine_error(exc)
+    return ApiError(500, "internal error", type="server_error")

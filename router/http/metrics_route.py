@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.http.keys import MANAGER
+from router.http.keys import MANAGER, STARTED
 from router.observability.metrics import ServerMetrics
 
 METRICS = web.AppKey("metrics", ServerMetrics)
@@ -34,4 +34,7 @@ async def serve_metrics(request: web.Request) -> web.Response:
     # name); on a single-model server every name is its model.
     model = request.app[MANAGER].resolve(name).id if name else None
     body = request.app[METRICS].render(model)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    # As llama-server does: a scraper sees a restart (counters back at zero)
+    # when this changes.
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE,
+                                            "Process-Start-Time-Unix": str(request.app[STARTED])})

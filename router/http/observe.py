@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from router.http.keys import MANAGER
+from router.http.request_id import OWN_ID, REQUEST_ID
 from router.http.route_info import api_of
 from router.observability.records import RECORD, RequestRecord, current_record
 
@@ -30,6 +31,11 @@ async def observe_middleware(request: web.Request, handler: Any) -> web.StreamRe
     observers = request.app[MANAGER].observers
     record = RequestRecord(method=request.method, route=request.path,
                            api=api_of(request).value, observers=observers)
+    if OWN_ID in request:
+        # The request-id middleware's ids: the router's own, and the client's.
+        record.id = request[OWN_ID]
+        if request[REQUEST_ID] != record.id:
+            record.client_request_id = request[REQUEST_ID]
     request[RECORD] = record
     token = current_record.set(record)
     observers.request_started(record)

@@ -15,10 +15,13 @@ from router.http.metrics_route import serve_metrics
 from router.http.route_info import ROUTE_TABLE, Access, Api, Route
 from router.http.status import health, load, stats
 from router.llamacpp.completion import completion
+from router.llamacpp.infill import infill
 from router.llamacpp.props import get_props, post_props
 from router.llamacpp.template import apply_template
 from router.llamacpp.tokens import detokenize, tokenize
+from router.openai import models as openai_models
 from router.openai.chat import chat_completions
+from router.openai.chat_tokens import count_chat_tokens
 from router.openai.completions import completions
 from router.responses.handlers import (
     cancel_response,
@@ -30,6 +33,8 @@ from router.responses.handlers import (
 )
 
 OAI, ANT, LCP = Api.OPENAI, Api.ANTHROPIC, Api.LLAMACPP
+# Anthropic's SDK sends this header on every call; OpenAI's never does.
+ANTHROPIC_SDK = (("anthropic-version", ANT),)
 
 ROUTES: list[Route] = [
     # Probes and load: cheap, never wait on an engine.
@@ -40,17 +45,28 @@ ROUTES: list[Route] = [
     Route("GET", "/metrics", serve_metrics, LCP, Access.METRICS),
     # The model catalog, as llama.cpp's router serves it.
     Route("GET", "/models", models_api.list_models, LCP),
-    Route("GET", "/v1/models", models_api.list_models, OAI),
+    # The SDKs' models API: OpenAI's shapes, Anthropic's for Anthropic's SDK.
+    Route("GET", "/v1/models", openai_models.list_models, OAI, header_apis=ANTHROPIC_SDK),
+    Route("GET", "/v1/models/{model_id:.+}", openai_models.retrieve_model, OAI,
+          header_apis=ANTHROPIC_SDK),
     Route("POST", "/models/load", models_api.load_model, LCP),
     Route("POST", "/models/unload", models_api.unload_model, LCP),
     Route("POST", "/models/sleep", models_api.sleep_model, LCP),
     Route("GET", "/models/sse", models_api.model_events, LCP),
+    # llama.cpp's download and cache deletion: refused with 405 (models_api.model_store).
+    Route("POST", "/models", models_api.model_store, LCP),
+    Route("DELETE", "/models", models_api.model_store, LCP),
     # OpenAI.
     Route("POST", "/v1/chat/completions", chat_completions, OAI),
     Route("POST", "/chat/completions", chat_completions, OAI),
+    Route("POST", "/v1/chat/completions/input_tokens", count_chat_tokens, OAI),
+    Route("POST", "/chat/completions/input_tokens", count_chat_tokens, OAI),
     Route("POST", "/v1/completions", completions, OAI),
     Route("POST", "/v1/responses", create_response, OAI),
     Route("POST", "/v1/responses/input_tokens", count_input_tokens, OAI),
+    # Unprefixed, as llama.cpp serves them too.
+    Route("POST", "/responses", create_response, OAI),
+    Route("POST", "/responses/input_tokens", count_input_tokens, OAI),
     Route("GET", "/v1/responses/{response_id}", retrieve_response, OAI),
     Route("DELETE", "/v1/responses/{response_id}", delete_response, OAI),
     Route("GET", "/v1/responses/{response_id}/input_items", list_input_items, OAI),
@@ -62,6 +78,7 @@ ROUTES: list[Route] = [
     # server (OpenAI's Completions answer at /v1/completions).
     Route("POST", "/completion", completion, LCP),
     Route("POST", "/completions", completion, LCP),
+    Route("POST", "/infill", infill, LCP),
     Route("POST", "/tokenize", tokenize, LCP),
     Route("POST", "/detokenize", detokenize, LCP),
     Route("POST", "/apply-template", apply_template, LCP),

@@ -1,13 +1,23 @@
 """GET /health, GET /v1/load and GET /stats: cheap answers that never wait on
-an engine (they read what the engines published with their latest step)."""
+an engine (they read what the engines published with their latest step).
+
+/v1/load speaks the field names of llama.cpp-style load balancers: per model
+`object`, `model`, `capacity` (max_concurrency, max_pending_requests,
+max_context, kv_capacity_tokens, kv_capacity_pages), `requests` and
+`occupancy`. A single-model server answers with that one object (plus
+`uptime_seconds`); a router with `{"object": "list", "uptime_seconds",
+"models": [...]}`. docs/observability.md lists every field."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
 
-from router.http.keys import MANAGER
+from router.errors import Unavailable
+from router.http.keys import MANAGER, STARTED
+from router.http.models_api import device_memory, public_id
 from router.lifecycle import ModelManager, ModelSlot
 
 # Waiters /stats shows per model.
@@ -17,26 +27,33 @@ QUEUE_HEAD = 5
 async def health(request: web.Request) -> web.Response:
     # Reaching this handler means the router is up and (for a single-model
     # server) its model has loaded once: readiness_middleware answers before.
+    # While it drains after SIGTERM, load balancers must take it out of rotation.
+    if request.app[MANAGER].shutting_down:
+        raise Unavailable("the server is shutting down", code="shutting_down", retry_after=5)
     return web.json_response({"status": "ok"})
 
 
 def model_load(manager: ModelManager, slot: ModelSlot) -> dict[str, Any]:
-    """One model's snapshot for load balancers."""
-    load: dict[str, Any] = {"id": slot.id, "state": slot.state.public, "in_flight": slot.in_flight,
-                            "counters": _counters(slot)}
+    """One model's snapshot for load balancers, in the names llama.cpp-style
+    balancers read (capacity.max_concurrency, max_context, kv_capacity_*)."""
+    load: dict[str, Any] = {"object": "load", "model": public_id(manager, slot),
+                            "state": slot.state.public, "in_flight": slot.in_flight,
+                            "counters": _counters(slot),
+                            "memory": device_memory(manager, slot)}
     engine, ready = slot.engine, slot.ready
     if engine is None or ready is None:
         return load
     stats = engine.client.stats
-    lanes = ready.kv.max_concurrency
+    kv = ready.kv
     admitted = slot.lanes.active
     load["pid"] = engine.pid
     load["capacity"] = {
-        "lanes": lanes,
-        "pending": manager.config.max_pending_requests,
-        "context": ready.kv.max_context,
-        "kv_pages": ready.kv.num_pages,
-        "kv_tokens": ready.kv.capacity_tokens,
+        "max_concurrency": kv.max_concurrency,
+        "max_pending_requests": manager.config.max_pending_requests,
+        "max_context": kv.max_context,
+        "kv_capacity_tokens": kv.capacity_tokens,
+        "kv_capacity_pages": kv.num_pages,
+        "kv_page_tokens": kv.page_size,
     }
     load["requests"] = {
         # Holding a lane (submitted to the engine).
@@ -47,8 +64,11 @@ def model_load(manager: ModelManager, slot: ModelSlot) -> dict[str, Any]:
         "waiting": slot.lanes.waiting + stats.waiting,
     }
     load["occupancy"] = {
-        "lanes": admitted / lanes,
-        "kv_pages": stats.kv_pages_used / max(ready.kv.num_pages, 1),
+        "kv_pages": stats.kv_pages_used,
+        # Tokens whose K/V running requests hold (pages can be part full).
+        "kv_tokens": stats.kv_tokens_used,
+        "kv_fraction": stats.kv_pages_used / max(kv.num_pages, 1),
+        "lane_fraction": admitted / kv.max_concurrency,
     }
     return load
 
@@ -64,17 +84,40 @@ def _counters(slot: ModelSlot) -> dict[str, int]:
     }
 
 
+def device_ledger(manager: ModelManager) -> list[dict[str, Any]]:
+    """Each GPU the planner places models on, read now: its total and free
+    memory, what our models hold or are planned to hold, what other
+    processes hold, and the headroom kept free (empty without GPUs)."""
+    return [{"index": book.index, "name": book.name, "total_bytes": book.total_bytes,
+             "free_bytes": book.free_bytes, "planned_bytes": planned,
+             "other_bytes": book.other_bytes, "headroom_bytes": book.headroom_bytes}
+            for book, planned in manager.seats.books()]
+
+
 def _slots(request: web.Request) -> list[ModelSlot]:
     manager = request.app[MANAGER]
     name = request.query.get("model")
     return [manager.resolve(name)] if name else list(manager.slots.values())
 
 
+def _answer(request: web.Request, models: list[dict[str, Any]]) -> web.Response:
+    """A single-model server answers with its model's object, a router with
+    the list; both say how long the server has been up."""
+    uptime = round(time.time() - request.app[STARTED], 3)
+    manager = request.app[MANAGER]
+    devices = device_ledger(manager)
+    if manager.single:
+        (one,) = models
+        return web.json_response({**one, "uptime_seconds": uptime, "devices": devices})
+    return web.json_response({"object": "list", "uptime_seconds": uptime, "devices": devices,
+                              "models": models})
+
+
 async def load(request: web.Request) -> web.Response:
     """What each model's engine published with its latest step; a GET names
     one model with ?model= (never loading or waking it)."""
     manager = request.app[MANAGER]
-    return web.json_response({"models": [model_load(manager, slot) for slot in _slots(request)]})
+    return _answer(request, [model_load(manager, slot) for slot in _slots(request)])
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -87,4 +130,4 @@ async def stats(request: web.Request) -> web.Response:
         entry["queue"] = [{"position": i, "waited_seconds": round(waited, 3)}
                           for i, waited in enumerate(slot.lanes.waits(QUEUE_HEAD))]
         models.append(entry)
-    return web.json_response({"models": models})
+    return _answer(request, models)

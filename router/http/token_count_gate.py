@@ -1,10 +1,13 @@
 """A bound on token-counting requests served at once.
 
-Counting tokens (Anthropic's count_tokens, Responses' input_tokens, llama.cpp's
+Counting tokens (Anthropic's count_tokens, Responses' and chat's input_tokens, llama.cpp's
 /tokenize, /detokenize, /apply-template) never touches an engine, so lanes do
 not bound it; rendering and tokenizing long prompts still costs the router
-CPU. At most --max-token-count-requests run at once; the next is refused at
-once with 429 server_overloaded (529 on Anthropic's route) — no queue.
+CPU. That work runs on the text pool beside the event loop, a few jobs at a
+time (router/text/offload.py); this gate bounds how many requests may wait
+for it, and so the memory they hold. At most --max-token-count-requests run
+at once; the next is refused at once with 429 server_overloaded (529 on
+Anthropic's route) — no queue.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from router.http.errors import ApiError
 
 TOKEN_COUNT_PATHS = frozenset({
     "/v1/messages/count_tokens", "/v1/v1/messages/count_tokens",
-    "/v1/responses/input_tokens", "/v1/v1/responses/input_tokens",
+    "/v1/responses/input_tokens", "/v1/v1/responses/input_tokens", "/responses/input_tokens",
+    "/v1/chat/completions/input_tokens", "/v1/v1/chat/completions/input_tokens",
+    "/chat/completions/input_tokens",
     "/tokenize", "/detokenize", "/apply-template",
 })
 

@@ -1,12 +1,16 @@
-"""Drives every model through the lifecycle of router/lifecycle/slot.py.
+"""The lifecycle's front door for handlers: a thin facade over three parts.
 
-Requests take a lease on their model (load or wake it first if needed) and
-hold it while they run. Loading or waking needs a device slot under
---models-max: requests that need one queue for it in arrival order (bounded by
---pending-timeout-ms), and the least recently used idle model is evicted to
-make room: put to sleep when it runs with --model-suspend, else unloaded.
-Busy models (requests in flight) are never evicted. Every transition runs as
-one task per model, is logged, and is published on the event stream.
+- router/lifecycle/roster.py (ModelRoster): the catalog side: names and
+  aliases to slots, text sides, sampling defaults, reload's new slots.
+- router/lifecycle/seats.py (SeatArbiter): device seats under --models-max
+  and device memory per GPU: the arrival-order queue, where each model goes
+  and which idle model makes room (router/lifecycle/placement.py describes
+  what each model needs; router/devices.py reads the GPUs).
+- router/lifecycle/transitions.py (ModelLifecycle): one per model, its state
+  machine: load, wake, sleep, unload, and the watch for its engine's death.
+
+The manager adds what spans them: leases (a request's hold on its model and
+one of its engine's lanes), start-up work, and the shutdown drain.
 """
 
 from __future__ import annotations
@@ -17,21 +21,26 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from router.catalog import Catalog
 from router.config import ServeConfig
-from router.errors import Conflict, InvalidRequest, RouterError, Unavailable, model_not_found
+from router.devices import CUPY_INSTALL, DeviceProbe, NvmlProbe, cuda_kernels_installed
+from router.errors import RouterError, Unavailable
+from router.lifecycle.admission import LaneQueue, LanesClosed
 from router.lifecycle.events import ModelEvents
-from router.lifecycle.room import RoomKeeping, RoomWaiter
+from router.lifecycle.placement import DeviceNeeds
+from router.lifecycle.roster import ModelRoster
+from router.lifecycle.seats import SeatArbiter
 from router.lifecycle.slot import ModelSlot, ModelState
 from router.lifecycle.transitions import (
     EXIT_ENGINE_FAILED,
     EXIT_STARTUP_FAILED,
+    LifecycleShared,
+    ModelLifecycle,
     ModelLoadFailed,
-    Transitions,
 )
 from router.observability.records import Observers, current_record
 from router.sampling import SamplingDefaults
@@ -40,17 +49,24 @@ from router.text.model_text import ModelText
 
 log = logging.getLogger(__name__)
 
-S = ModelState
-
 __all__ = ["EXIT_ENGINE_FAILED", "EXIT_STARTUP_FAILED", "ModelLoadFailed", "ModelManager"]
 
+# A request that never reached its engine is tried on a restarted one at most
+# this many times (the engine died while it waited for a lane).
+ENGINE_RETRIES = 2
+SHUTDOWN_MESSAGE = "the server is shutting down"
+CUT_MESSAGE = ("the server is shutting down and the request did not finish within "
+               "--shutdown-grace-seconds")
 
-class ModelManager(RoomKeeping, Transitions):
-    def __init__(self, catalog: Catalog, config: ServeConfig, events: ModelEvents | None = None):
+
+class ModelManager:
+    def __init__(self, catalog: Catalog, config: ServeConfig, events: ModelEvents | None = None,
+                 probe: DeviceProbe | None = None):
+        """probe: the GPUs and their memory (NVML by default; tests pass a
+        simulated one)."""
         self.config = config
-        self.catalog = catalog
-        self.slots = {entry_id: ModelSlot(entry) for entry_id, entry in catalog.entries.items()}
         self.single = not config.is_router
+        self.roster = ModelRoster(catalog, self.single)
         self.events = events or ModelEvents()
         self.observers = Observers()
         self.run_dir = Path(tempfile.mkdtemp(prefix="roundhouse-"))
@@ -59,200 +75,218 @@ class ModelManager(RoomKeeping, Transitions):
         self.ready_once = False
         # Set when a single-model server must exit: the status to exit with.
         self.fatal: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters: list[RoomWaiter] = []
-        self._pumping = False
-        self._pump_again = False
-        self._change = asyncio.Event()
-        self._serial = 0
+        self.needs = DeviceNeeds(config, probe if probe is not None else NvmlProbe(),
+                                 lambda: self.slots.values())
+        self.seats = SeatArbiter(
+            config.models_max, config.pending_timeout_ms,
+            start=lambda slot, placement: self.lifecycle(slot).start_in_seat(placement),
+            evict=lambda slot, why: self.lifecycle(slot).evict(why),
+            idle=lambda slot: (slot.state is ModelState.LOADED and slot.in_flight == 0
+                               and slot.pending == 0),
+            needs=self.needs, headroom_bytes=config.device_headroom_mib * 2**20,
+        )
+        self._shared = LifecycleShared(
+            config=config, run_dir=self.run_dir, events=self.events, observers=self.observers,
+            seats=self.seats, needs=self.needs, spawn=self.spawn, check_open=self._check_open,
+            loaded=self._model_loaded, engine_failed=self._engine_failed,
+        )
+        self._lifecycles: dict[ModelSlot, ModelLifecycle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._defaults: dict[object, SamplingDefaults] = {}
+        # /props: "available" (GPUs and CuPy), "cupy_missing" (GPUs, no CuPy:
+        # the slow torch reference ops) or "no_gpu"; set by the GPUs' discovery.
+        self.cuda_kernels = "no_gpu"
 
-    # ---- names and text --------------------------------------------------------
+    # ---- the catalog side (router/lifecycle/roster.py) ------------------------------
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.roster.catalog
+
+    @property
+    def slots(self) -> dict[str, ModelSlot]:
+        return self.roster.slots
 
     def resolve(self, name: str | None) -> ModelSlot:
-        """The slot a request means: its `model` (or alias), else the most
-        recently used loaded model."""
-        if self.single:
-            # As llama.cpp's server does, a single-model server serves whatever
-            # name the client sends (many send "gpt-3.5-turbo" and the like).
-            return next(iter(self.slots.values()))
-        if name:
-            entry = self.catalog.find(name)
-            if entry is None:
-                raise model_not_found(name)
-            return self.slots[entry.id]
-        loaded = [s for s in self.slots.values() if s.state is S.LOADED]
-        if loaded:
-            return max(loaded, key=lambda s: s.last_used)
-        if len(self.slots) == 1:
-            return next(iter(self.slots.values()))
-        raise InvalidRequest("this server holds several models and none is loaded: name one in "
-                             "'model'", code="missing_required_parameter", param="model")
+        return self.roster.resolve(name)
+
+    def named(self, name: str) -> ModelSlot:
+        return self.roster.named(name)
 
     async def text_for(self, slot: ModelSlot) -> ModelText:
-        """Tokenizer and template, read from the model's files without loading it."""
-        if slot.text is None:
-            async with slot.text_lock:
-                if slot.text is None:
-                    try:
-                        slot.text = await asyncio.to_thread(ModelText.load, slot.entry.path)
-                    except (OSError, ValueError) as exc:
-                        raise Unavailable(f"model '{slot.id}' has no usable tokenizer: {exc}",
-                                          code="model_load_failed") from exc
-        return slot.text
+        return await self.roster.text_for(slot)
 
     def sampling_defaults(self, slot: ModelSlot) -> SamplingDefaults:
-        """The model's defaults for sampling fields a request leaves out;
-        keyed by its catalog entry, so a reload that changes it starts afresh."""
-        entry = slot.entry
-        if entry not in self._defaults:
-            self._defaults[entry] = SamplingDefaults.for_model(entry.path, entry.settings.sampling)
-        return self._defaults[entry]
+        return self.roster.sampling_defaults(slot)
 
-    def output_budget(self, slot: ModelSlot, prompt_tokens: int, asked: int | None) -> int:
-        """max_tokens for a request: what it asked for, else --default-max-tokens,
-        else one lane's share of the KV pool (so every lane can run at once),
-        always within the context left after the prompt; running out ends the
-        generation with finish_reason "length"."""
-        room = slot.max_context - prompt_tokens
-        if asked is not None:
-            return min(asked, room)
-        if self.config.default_max_tokens:
-            return min(self.config.default_max_tokens, room)
-        assert slot.ready is not None
-        share = slot.ready.kv.capacity_tokens // slot.ready.kv.max_concurrency
-        return max(min(share, room), 1)
+    # ---- one model's lifecycle (router/lifecycle/transitions.py) ----------------------
+
+    def lifecycle(self, slot: ModelSlot) -> ModelLifecycle:
+        found = self._lifecycles.get(slot)
+        if found is None:
+            found = self._lifecycles[slot] = ModelLifecycle(slot, self._shared)
+        return found
+
+    def forget(self, slot: ModelSlot) -> None:
+        """A reload dropped or replaced this (unloaded) slot."""
+        self._lifecycles.pop(slot, None)
 
     # ---- requests ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def lease(self, slot: ModelSlot, *, autoload: bool = True) -> AsyncIterator[EngineProcess]:
+    async def lease(self, slot: ModelSlot, *, autoload: bool = True,
+                    on_admit: Callable[[ModelSlot], None] | None = None,
+                    ) -> AsyncIterator[EngineProcess]:
         """Hold the model loaded while a request uses it (loading or waking it
         first), then one of its engine's lanes (router/lifecycle/admission.py);
         the request counts as use for the idle timers. Waiting for room and
-        for a lane together is bounded by --pending-timeout-ms from arrival."""
+        for a lane together is bounded by --pending-timeout-ms from arrival.
+
+        `on_admit(slot)` runs once the model is LOADED (its engine's facts
+        known) and before the wait for a lane: a check that needs them (the
+        context length) refuses there; what it raises propagates and the
+        lease gives back what it took.
+
+        A request whose engine dies before it was submitted (it waited for a
+        lane) is not lost: with --models-dir it waits for the model to load
+        again; a single-model server (which exits) answers 503 engine_failed.
+        """
         record = current_record.get()
         if record is not None:
             # Known before admission, so a refusal (429, timeout) names it too.
             record.model = slot.id
         arrived = record.arrived if record is not None else time.monotonic()
         deadline = arrived + self.config.pending_timeout_ms / 1000
-        await self._acquire(slot, autoload, deadline)
+        lifecycle = self.lifecycle(slot)
+        engine, lanes, count = await self._admit(lifecycle, autoload, deadline, on_admit)
         try:
-            lanes = slot.lane_count
-            await slot.lanes.enter(lanes, self.config.max_pending_requests, deadline)
+            if record is not None:
+                record.admit(slot.id)
+            yield engine
+        finally:
+            lanes.leave(count)
+            lifecycle.release_use()
+
+    async def _admit(self, lifecycle: ModelLifecycle, autoload: bool, deadline: float,
+                     on_admit: Callable[[ModelSlot], None] | None,
+                     ) -> tuple[EngineProcess, LaneQueue, int]:
+        """The engine, the lane queue entered and its lane count."""
+        slot = lifecycle.slot
+        for attempt in range(ENGINE_RETRIES + 1):
+            await lifecycle.acquire(autoload, deadline)
+            engine, lanes = slot.engine, slot.lanes
+            assert engine is not None and slot.ready is not None
+            count = slot.lane_count
             try:
-                if record is not None:
-                    record.admit(slot.id)
-                assert slot.engine is not None
-                yield slot.engine
-            finally:
-                slot.lanes.leave(lanes)
-        finally:
-            slot.in_flight -= 1
-            slot.last_used = time.monotonic()
-            if slot.in_flight == 0:
-                self._changed()
-
-    async def _acquire(self, slot: ModelSlot, autoload: bool, deadline: float) -> None:
-        while True:
-            self._check_open()
-            state = slot.state
-            if state is S.LOADED:
-                slot.in_flight += 1
-                slot.last_used = time.monotonic()
-                return
-            if state is S.UNLOADED and not autoload:
-                raise Unavailable(f"model '{slot.id}' is not loaded and autoload is off; "
-                                  "POST /models/load loads it", code="model_not_loaded")
-            await self._bring_up(slot, deadline)
-
-    async def load(self, slot: ModelSlot) -> None:
-        """POST /models/load: return once the model is loaded (or awake)."""
-        await self._bring_up(slot, time.monotonic() + self.config.pending_timeout_ms / 1000)
-        slot.last_used = time.monotonic()
-
-    async def _bring_up(self, slot: ModelSlot, deadline: float) -> None:
-        """Make the model LOADED: load or wake it under --models-max, or wait
-        for the transition under way. Raises 503 if a load it waited on fails.
-
-        While a request is here its model counts as wanted (`pending`), so a
-        model that just loaded for it is not evicted before the request gets
-        to use it.
-        """
-        slot.pending += 1
-        try:
-            await self._bring_up_wanted(slot, deadline)
-        finally:
-            slot.pending -= 1
-
-    async def _bring_up_wanted(self, slot: ModelSlot, deadline: float) -> None:
-        while slot.state is not S.LOADED:
-            self._check_open()
-            if slot.state in (S.UNLOADED, S.SLEEPING):
-                await self._wait_for_room(slot, deadline)
-            elif slot.state in (S.LOADING, S.WAKING):
-                assert slot.task is not None
-                try:
-                    await asyncio.shield(slot.task)
-                except ModelLoadFailed as exc:
-                    raise Unavailable(f"model '{slot.id}' failed to load: {exc}",
-                                      code="model_load_failed") from None
-            else:  # SUSPENDING or UNLOADING: let it settle first
-                await self._wait_change()
+                if on_admit is not None:
+                    on_admit(slot)
+                await lanes.enter(count, self.config.max_pending_requests, deadline)
+            except LanesClosed as closed:
+                lifecycle.release_use()
+                if closed.code == "shutting_down" or self.shutting_down:
+                    raise Unavailable(SHUTDOWN_MESSAGE, code="shutting_down",
+                                      retry_after=5) from None
+                reason = closed.reason
+            except BaseException:
+                lifecycle.release_use()
+                raise
+            else:
+                if slot.engine is engine and not engine.client.dead.done():
+                    return engine, lanes, count
+                # The lane came free because the engine died this very moment.
+                lanes.leave(count)
+                lifecycle.release_use()
+                reason = "the engine failed"
+            # No second try where the model would not load by itself: a
+            # single-model server exits, and autoload off means what it says.
+            if self.single or not autoload or attempt == ENGINE_RETRIES:
+                raise Unavailable(f"model '{slot.id}': {reason}", code="engine_failed",
+                                  retry_after=1)
+            log.warning("model %s: a request that waited for the engine that failed tries "
+                        "again on a new one", slot.id)
+        raise AssertionError("unreachable")
 
     # ---- explicit operations -------------------------------------------------------
+
+    async def load(self, slot: ModelSlot) -> None:
+        """POST /models/load?wait=1 (and start-up): return once the model is
+        loaded (or awake)."""
+        await self.lifecycle(slot).bring_up(time.monotonic() + self.config.pending_timeout_ms / 1000)
+        slot.last_used = time.monotonic()
+
+    async def begin_load(self, slot: ModelSlot) -> None:
+        """POST /models/load: start the load (or wake, or the wait for a seat)
+        and return; how it ends shows in GET /models and on /models/sse."""
+        self._check_open()
+        if slot.state is ModelState.LOADED:
+            slot.last_used = time.monotonic()
+            return
+        self.spawn(self._load_in_background(slot, "POST /models/load"), f"load-{slot.id}")
+        # One turn of the loop: the task asks for its seat, and the load
+        # starts now when one is free.
+        await asyncio.sleep(0)
 
     async def unload(self, slot: ModelSlot, reason: str = "the model was unloaded") -> None:
         """POST /models/unload: waits for requests in flight, never cancels
         them. It unloads once: requests that arrive later load it again."""
-        while slot.state is not S.UNLOADED:
-            if slot.state in (S.LOADED, S.SLEEPING):
-                self._start(slot, S.UNLOADING, self._unload(slot, reason))
-                await self._settle(slot)
-                return
-            await self._settle(slot)
+        await self.lifecycle(slot).unload(reason)
 
     async def sleep(self, slot: ModelSlot) -> None:
         """POST /models/sleep (and the idle timer): 409 while requests are in
-        flight or waiting for the model. It puts the model to sleep once; a
-        request that wakes it afterwards wins."""
-        while True:
-            state = slot.state
-            if state is S.SLEEPING:
-                return
-            if state is S.SUSPENDING:
-                await self._settle(slot)
-                return
-            if state in (S.UNLOADED, S.UNLOADING):
-                raise Conflict(f"model '{slot.id}' is not loaded", code="model_not_loaded")
-            if slot.in_flight or slot.pending:
-                busy = slot.in_flight + slot.pending
-                raise Conflict(f"model '{slot.id}' has {busy} request(s) in flight or waiting; "
-                               "try again when it is idle", code="model_busy")
-            if state is S.LOADED:
-                self._start(slot, S.SUSPENDING, self._sleep(slot))
-                await self._settle(slot)
-                return
-            await self._settle(slot)  # LOADING or WAKING
+        flight or waiting for the model."""
+        await self.lifecycle(slot).sleep()
 
-    async def _settle(self, slot: ModelSlot) -> None:
-        """Wait for the transition under way (its failure is the caller's
-        next look at the state, not an exception here)."""
-        task = slot.task
-        if task is not None and not task.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(task)
-        else:
-            await self._wait_change()
+    # ---- what lifecycles report -------------------------------------------------------
 
-    # ---- transitions -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.shutting_down:
+            raise Unavailable(SHUTDOWN_MESSAGE, code="shutting_down", retry_after=5)
 
-    def _start(self, slot: ModelSlot, state: ModelState, work: Coroutine[Any, Any, None]) -> None:
-        self._set_state(slot, state)
-        slot.task = self._spawn(work, f"{state.value}-{slot.id}")
+    def _model_loaded(self) -> None:
+        self.ready_once = True
 
-    def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def _engine_failed(self, at_start: bool) -> None:
+        """A single-model server exits when its engine fails, so that its
+        supervisor restarts it: 1 if it never served, else 2."""
+        status = EXIT_STARTUP_FAILED if at_start and not self.ready_once else EXIT_ENGINE_FAILED
+        if self.single and not self.shutting_down and not self.fatal.done():
+            self.fatal.set_result(status)
+
+    # ---- start-up and shutdown ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Background work once the port is bound: the GPUs' discovery, the
+        single model's load, models with load-on-startup, and the idle timers."""
+        from router.lifecycle.idle import watch_idle
+
+        self.spawn(self._discover_devices(), "devices")
+        for slot in self.slots.values():
+            if self.single or slot.entry.settings.load_on_startup:
+                self.spawn(self._load_in_background(slot, "start-up"), f"startup-{slot.id}")
+        self.spawn(watch_idle(self), "idle-timers")
+
+    async def _discover_devices(self) -> None:
+        found = await self.needs.discover()
+        if not found:
+            log.info("no GPU found: models with device auto run on the CPU")
+            return
+        log.info("GPUs for models: %s (headroom %d MiB each)", ", ".join(
+            f"{d.index} {d.name} {d.total_bytes / 2**30:.1f} GiB ({d.free_bytes / 2**30:.1f} "
+            "free)" for d in found), self.config.device_headroom_mib)
+        self.cuda_kernels = "available" if cuda_kernels_installed() else "cupy_missing"
+        if self.cuda_kernels == "cupy_missing":
+            log.warning("CUDA GPUs are present but CuPy is not installed: engines on a GPU run "
+                        "the slow torch reference ops without our CUDA kernels or CUDA graphs. "
+                        "Install it with: %s", CUPY_INSTALL)
+
+    async def _load_in_background(self, slot: ModelSlot, why: str) -> None:
+        try:
+            await self.load(slot)
+        except RouterError as exc:
+            # A failed load is in GET /models and on /models/sse as well.
+            log.error("loading %s (%s) failed: %s", slot.id, why, exc.message)
+
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run background work the manager owns (cancelled at shutdown)."""
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -260,78 +294,45 @@ class ModelManager(RoomKeeping, Transitions):
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    # ---- state changes ---------------------------------------------------------------
-
-    def _set_state(self, slot: ModelSlot, state: ModelState, extra: dict[str, Any] | None = None) -> None:
-        previous = slot.state
-        if previous is state:
-            return
-        log.info("model %s: %s -> %s", slot.id, previous.value, state.value)
-        slot.state = state
-        if previous.public != state.public:
-            data: dict[str, Any] = {"status": state.public}
-            if state is S.UNLOADED and slot.failed:
-                data.update(failed=True, error=slot.error)
-                if slot.exit_code is not None:
-                    data["exit_code"] = slot.exit_code
-            data.update(extra or {})
-            self.events.publish(slot.id, "model_status", data)
-        self._changed()
-
-    def _changed(self) -> None:
-        self._change.set()
-        self._change = asyncio.Event()
-        self._pump()
-
-    async def _wait_change(self) -> None:
-        await self._change.wait()
-
-    def _check_open(self) -> None:
-        if self.shutting_down:
-            raise Unavailable("the server is shutting down", code="shutting_down", retry_after=5)
-
-    # ---- start-up and shutdown ---------------------------------------------------------
-
-    def start(self) -> None:
-        """Background work once the port is bound: the single model's load,
-        models with load-on-startup, and the idle timers."""
-        from router.lifecycle.idle import watch_idle
-
-        for slot in self.slots.values():
-            if self.single or slot.entry.settings.load_on_startup:
-                self._spawn(self._load_in_background(slot), f"startup-{slot.id}")
-        self._spawn(watch_idle(self), "idle-timers")
-
-    async def _load_in_background(self, slot: ModelSlot) -> None:
-        try:
-            await self.load(slot)
-        except RouterError as exc:
-            log.error("loading %s at start-up failed: %s", slot.id, exc.message)
-
-    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run background work the manager owns (cancelled at shutdown)."""
-        return self._spawn(work, name)
+    @property
+    def in_flight(self) -> int:
+        return sum(slot.in_flight for slot in self.slots.values())
 
     def begin_shutdown(self) -> None:
-        """Stop admitting: queued requests get 503 now; in-flight ones when
-        their engines stop (close())."""
+        """Stop admitting: new requests, and queued ones that no engine has
+        seen yet, get 503 shutting_down now; running ones go on (drain())."""
+        if self.shutting_down:
+            return
         self.shutting_down = True
-        for waiter in self._waiters:
-            if not waiter.granted.done():
-                waiter.granted.set_exception(Unavailable(
-                    "the server is shutting down", code="shutting_down", retry_after=5))
-        self._waiters.clear()
-        self._changed()
+        self.seats.refuse_all(Unavailable(SHUTDOWN_MESSAGE, code="shutting_down", retry_after=5))
+        for slot in self.slots.values():
+            slot.lanes.close(SHUTDOWN_MESSAGE, code="shutting_down")
+            self.lifecycle(slot).changed()
 
-    async def close(self) -> None:
-        """Stop every engine (router shutdown)."""
+    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
+        """Wait until no request runs, at most `grace` seconds (or until
+        `hurry` is set); True when none is left."""
+        deadline = time.monotonic() + grace
+        while self.in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0 or (hurry is not None and hurry.is_set()):
+                return False
+            # Shutdown only: a short poll is simpler than one more event.
+            await asyncio.sleep(min(left, 0.05))
+        return True
+
+    async def close(self, reason: str = CUT_MESSAGE) -> None:
+        """End what still runs and stop every engine (router shutdown):
+        requests still running get an error (`reason`), engines get Abort
+        for them and then Shutdown, and exit 0."""
         self.begin_shutdown()
         current = asyncio.current_task()
         for task in list(self._tasks):
             if task is not current:
                 task.cancel()
         engines = [s.engine for s in self.slots.values() if s.engine is not None]
-        await asyncio.gather(*(e.stop("the server is shutting down") for e in engines),
+        await asyncio.gather(*(e.stop(reason, "shutting_down") for e in engines),
                              return_exceptions=True)
         self.events.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+

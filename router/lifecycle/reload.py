@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from router.catalog import build_catalog
-from router.lifecycle.slot import ModelSlot, ModelState
+from router.lifecycle.slot import ModelState
 
 if TYPE_CHECKING:
     from router.lifecycle.manager import ModelManager
@@ -26,24 +26,17 @@ async def reload_catalog(manager: ModelManager) -> dict[str, list[str]]:
     """Apply a fresh scan; returns the ids added, removed and changed.
     Raises ValueError (with file and line for a preset) when the scan fails."""
     fresh = await asyncio.to_thread(build_catalog, manager.config)
-    old = manager.catalog.entries
-    added = [i for i in fresh.entries if i not in old]
-    removed = [i for i in old if i not in fresh.entries]
-    changed = [i for i in fresh.entries if i in old and fresh.entries[i] != old[i]]
-
-    for entry_id in removed + changed:
-        slot = manager.slots[entry_id]
+    roster = manager.roster
+    summary = roster.diff(fresh)
+    for entry_id in summary["removed"] + summary["changed"]:
+        slot = roster.slots[entry_id]
         if slot.state is not ModelState.UNLOADED:
             await manager.unload(slot, "the model was removed or changed by a catalog reload")
-    for entry_id in removed:
-        del manager.slots[entry_id]
+    for slot in roster.replace(fresh, summary):
+        manager.forget(slot)
+    for entry_id in summary["removed"]:
         manager.events.publish(entry_id, "model_remove")
-    for entry_id in changed:
-        manager.slots[entry_id] = ModelSlot(fresh.entries[entry_id])
-    for entry_id in added:
-        manager.slots[entry_id] = ModelSlot(fresh.entries[entry_id])
-    manager.catalog = fresh
-    summary = {"added": added, "removed": removed, "changed": changed}
-    log.info("catalog reloaded: %s", ", ".join(f"{k} {v}" for k, v in summary.items() if v) or "no change")
+    log.info("catalog reloaded: %s",
+             ", ".join(f"{k} {v}" for k, v in summary.items() if v) or "no change")
     manager.events.publish("*", "models_reload")
     return summary

@@ -17,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol import Ready
 from router.catalog import CatalogEntry
 from router.lifecycle.admission import LaneQueue
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
+
+if TYPE_CHECKING:
+    from router.lifecycle.placement import Placement
 
 
 class ModelState(enum.Enum):
@@ -38,12 +42,6 @@ class ModelState(enum.Enum):
     def public(self) -> str:
         """The status value clients see (llama.cpp's names)."""
         return _PUBLIC.get(self, self.value)
-
-    @property
-    def holds_device(self) -> bool:
-        """Counts against --models-max: the engine holds (or is taking, or
-        still giving back) device memory."""
-        return self not in (ModelState.UNLOADED, ModelState.SLEEPING)
 
 
 _PUBLIC = {ModelState.SUSPENDING: "sleeping", ModelState.WAKING: "loading"}
@@ -72,13 +70,15 @@ class ModelSlot:
     error: str | None = None
     exit_code: int | None = None
     progress: float = 0.0
+    # Where its last load or wake was placed (device, planned bytes, grant);
+    # kept while it sleeps, since a wake stays on its engine's device.
+    placement: Placement | None = None
     # The transition under way (load, wake, sleep, unload), if any.
     task: asyncio.Task[None] | None = None
-    # An unload was asked for; it runs once the in-flight requests are done.
-    unload_requested: bool = False
     text: ModelText | None = None
     text_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Requests holding the model wait here for one of its engine's lanes.
+    # Requests holding the model wait here for one of its engine's lanes (a
+    # new queue for every engine: router/lifecycle/admission.py).
     lanes: LaneQueue = field(default_factory=LaneQueue)
     # Token counters of this model's engines that have ended, so that the
     # totals reported stay monotonic across unloads and restarts.

@@ -10,25 +10,36 @@ answer is one JSON object or, with `stream`, server-sent events with no
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from protocol import GrammarSpec
 from router.engine_client import EngineFailure
+from router.errors import ContextLengthExceeded
 from router.generation import Generation, GenerationInput, PromptProgress, new_request_id
-from router.http.errors import ApiError, decode_body, invalid, llamacpp_error_body
+from router.http.errors import as_api_error, decode_body, engine_error, invalid, llamacpp_error_body
 from router.http.keys import MANAGER
-from router.http.sse import open_event_stream, send_data
+from router.http.sse import (
+    EventStream,
+    StreamingLease,
+    StreamOpenedError,
+    open_event_stream,
+    send_data,
+)
 from router.lifecycle import ModelManager, ModelSlot
 from router.llamacpp.grammar import grammar_spec, prepare_engine
 from router.llamacpp.params import CompletionSettings, completion_settings, generation_settings
 from router.llamacpp.prompt import prompt_ids, prompt_parts
 from router.llamacpp.responses import CompletionReport
 from router.llamacpp.schemas import CompletionRequest
-from router.openai.common import autoload, engine_error
+from router.openai.common import autoload
 from router.sampling import build_params
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
+
+# Builds a request's prompt ids once its model is leased (its context known).
+PromptBuilder = Callable[[ModelSlot], list[int]]
 
 
 def _check_prompt(ids: list[int], slot: ModelSlot) -> int:
@@ -41,16 +52,17 @@ def _check_prompt(ids: list[int], slot: ModelSlot) -> int:
                       "prompt")
     n_ctx = slot.max_context
     if len(ids) >= n_ctx:
-        raise ApiError(400, f"the request exceeds the available context size: {len(ids)} prompt "
-                       f"tokens, the context holds {n_ctx} (prompt and output together)",
-                       type="exceed_context_size_error", code="context_length_exceeded",
-                       param="prompt")
+        # Rendered as llama.cpp's exceed_context_size_error, n_prompt_tokens and n_ctx beside.
+        raise ContextLengthExceeded(
+            f"the request exceeds the available context size: {len(ids)} prompt tokens, the "
+            f"context holds {n_ctx} (prompt and output together)",
+            n_prompt_tokens=len(ids), n_ctx=n_ctx, param="prompt")
     return n_ctx - len(ids)
 
 
 def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: ModelText,
            ids: list[int], settings: CompletionSettings,
-           grammar: GrammarSpec | None) -> Generation:
+           grammar: GrammarSpec | None, extra_eos: tuple[int, ...]) -> Generation:
     room = _check_prompt(ids, slot)
     n_predict = settings.n_predict
     # n_predict 0 evaluates the prompt into the cache: the engine computes one
@@ -60,7 +72,8 @@ def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: 
         prepare_engine(engine, text)
     params = build_params(settings.sampling, max_tokens=max_tokens,
                           defaults=manager.sampling_defaults(slot),
-                          eos_token_ids=text.eos_token_ids, grammar=grammar)
+                          eos_token_ids=text.eos_token_ids + extra_eos, grammar=grammar,
+                          n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None)
     spec = GenerationInput(ids, params, settings.sampling.stop)
     return Generation(engine.client, text, new_request_id("cmpl"), spec)
 
@@ -75,31 +88,62 @@ async def completion(request: web.Request) -> web.StreamResponse:
     slot = manager.resolve(req.model)
     text = await manager.text_for(slot)
     ids = await prompt_ids(parts, text)
+    return await serve_completion(request, req, slot, text, lambda _: ids, settings, grammar)
 
-    async with manager.lease(slot, autoload=autoload(request)) as engine:
-        generation = _start(manager, slot, engine, text, ids, settings, grammar)
-        report = CompletionReport(
-            generation=generation,
-            model=slot.id,
-            # One shared prefix cache instead of slots: any slot asked for is "the" slot.
-            id_slot=max(req.id_slot, 0),
-            settings=generation_settings(req, settings, generation.spec.params),
-            prompt=text.tokenizer.decode(ids, skip_special_tokens=False),
-            stream=req.stream,
-            return_tokens=req.return_tokens,
-            timings_per_token=req.timings_per_token,
-            response_fields=req.response_fields or (),
-            prompt_only=settings.n_predict == 0,
-        )
-        if req.stream:
-            return await _stream(request, report)
-        try:
-            content = await generation.collect()
-        except EngineFailure as exc:
-            raise engine_error(exc) from None
+
+async def serve_completion(request: web.Request, req: CompletionRequest, slot: ModelSlot,
+                           text: ModelText, build_prompt: PromptBuilder,
+                           settings: CompletionSettings, grammar: GrammarSpec | None,
+                           extra_eos: tuple[int, ...] = ()) -> web.StreamResponse:
+    """/completion's generation path, shared with /infill: lease the model,
+    build the prompt, generate, answer in llama.cpp's shape. `extra_eos`
+    are more token ids that end the generation."""
+    manager = request.app[MANAGER]
+    built: list[list[int]] = []
+
+    def admit(loaded: ModelSlot) -> None:
+        # Built and checked once the model is loaded and before the wait for
+        # a lane: an impossible request is answered at once however busy.
+        built.append(build_prompt(loaded))
+        _check_prompt(built[-1], loaded)
+
+    lease = manager.lease(slot, autoload=autoload(request), on_admit=admit)
+    if req.stream:
+        lease = StreamingLease(lease, lambda: open_event_stream(request), _send_error)
+    try:
+        async with lease as engine:
+            ids = built[-1]
+            generation = _start(manager, slot, engine, text, ids, settings, grammar, extra_eos)
+            report = CompletionReport(
+                generation=generation,
+                model=slot.id,
+                # One shared prefix cache instead of slots: any slot asked for is "the" slot.
+                id_slot=max(req.id_slot, 0),
+                settings=generation_settings(req, settings, generation.spec.params,
+                                         manager.sampling_defaults(slot).seed),
+                prompt=text.tokenizer.decode(ids, skip_special_tokens=False),
+                stream=req.stream,
+                return_tokens=req.return_tokens,
+                timings_per_token=req.timings_per_token,
+                response_fields=req.response_fields or (),
+                prompt_only=settings.n_predict == 0,
+            )
+            if req.stream:
+                return await _stream(request, report)
+            try:
+                content = await generation.collect()
+            except EngineFailure as exc:
+                raise engine_error(exc) from None
+    except StreamOpenedError as opened:
+        return opened.response
     if report.prompt_only:
         content = ""
     return web.json_response(report.final(content, "\n" in content))
+
+
+async def _send_error(response: EventStream, exc: Exception) -> None:
+    """A refusal after the stream opened (a long wait for admission)."""
+    await send_data(response, llamacpp_error_body(as_api_error(exc)))
 
 
 async def _stream(request: web.Request, report: CompletionReport) -> web.StreamResponse:

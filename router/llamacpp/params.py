@@ -19,6 +19,7 @@ from protocol import SamplingParams
 from router.http.errors import ApiError, invalid
 from router.llamacpp.schemas import CompletionRequest
 from router.sampling import SamplingRequest
+from router.text.stop_strings import check_stops
 
 # llama.cpp reports "no seed" as LLAMA_DEFAULT_SEED, -1 as an unsigned 32-bit value.
 DEFAULT_SEED = 0xFFFFFFFF
@@ -37,13 +38,37 @@ _SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k"
 _ENGINE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
 
 
-def _no_bias(value: list[Any] | dict[str, Any] | None) -> bool:
-    """logit_bias as [[token, bias], ...] or {token: bias}; false means -inf."""
+def logit_biases(value: list[Any] | dict[str, Any] | None) -> dict[int, float]:
+    """llama.cpp's logit_bias, [[token, bias], ...] or {"token": bias}, as
+    {token id: bias}; a bias of false bans the token (-inf). Tokens given as
+    text are refused: send their ids (POST /tokenize gives them)."""
     if not value:
-        return True
-    biases = value.values() if isinstance(value, dict) else [
-        entry[1] for entry in value if isinstance(entry, list) and len(entry) == 2]
-    return all(b == 0 and b is not False for b in biases)
+        return {}
+    if isinstance(value, dict):
+        entries = list(value.items())
+    else:
+        if not all(isinstance(e, list) and len(e) == 2 for e in value):
+            raise invalid("'logit_bias' is [[token, bias], ...] or {\"token\": bias}", "logit_bias")
+        entries = [(e[0], e[1]) for e in value]
+    biases: dict[int, float] = {}
+    for token, bias in entries:
+        if isinstance(token, str):
+            try:
+                token = int(token)
+            except ValueError:
+                raise not_supported("logit_bias", "'logit_bias' takes token ids here, not text; "
+                                    "POST /tokenize gives a text's ids") from None
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise invalid(f"'logit_bias' token {token!r} is not a token id", "logit_bias")
+        if bias is False:
+            biases[token] = float("-inf")
+        elif isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias):
+            if bias:
+                biases[token] = float(bias)
+        else:
+            raise invalid(f"'logit_bias' bias for token {token} must be a number or false",
+                          "logit_bias")
+    return biases
 
 
 # (field, is the request neutral in it, the neutral value to name in the error).
@@ -66,7 +91,6 @@ _NEUTRAL: tuple[tuple[str, Callable[[CompletionRequest], bool], str], ...] = (
     ("adaptive_target", lambda r: r.adaptive_target < 0, "-1"),
     ("n_probs", lambda r: r.n_probs <= 0, "0"),
     ("min_keep", lambda r: r.min_keep <= 1, "0"),
-    ("logit_bias", lambda r: _no_bias(r.logit_bias), "[]"),
     ("n_indent", lambda r: r.n_indent <= 0, "0"),
     ("t_max_predict_ms", lambda r: r.t_max_predict_ms <= 0, "0"),
     ("lora", lambda r: all(isinstance(a, dict) and a.get("scale", 0) == 0 for a in r.lora or ()), "[]"),
@@ -158,7 +182,7 @@ def completion_settings(req: CompletionRequest) -> CompletionSettings:
     n_predict = next((v for v in (req.n_predict, req.max_completion_tokens, req.max_tokens)
                       if v is not None), -1)
     # llama.cpp takes a list; one string is read as a list of one.
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stop = check_stops([req.stop] if isinstance(req.stop, str) else req.stop or [], "stop")
     penalties = "penalties" in chain and req.repeat_last_n != 0
     if req.repeat_last_n is not None and req.repeat_last_n < -1:
         raise invalid(f"'repeat_last_n' must be -1 (the whole context), 0 (off) or a count, "
@@ -180,20 +204,30 @@ def completion_settings(req: CompletionRequest) -> CompletionSettings:
         frequency_penalty=(req.frequency_penalty or 0.0) if penalties else 0.0,
         penalty_last_n=penalty_window(req.repeat_last_n),
         seed=None if req.seed in (None, -1, DEFAULT_SEED) else req.seed,
-        stop=tuple(s for s in stop if s),
+        stop=stop,
         ignore_eos=req.ignore_eos,
         report_progress=req.return_progress and req.stream,
+        logit_bias=logit_biases(req.logit_bias),
     )
     return CompletionSettings(sampling, chain, n_predict if n_predict >= 0 else -1)
 
 
+def reported_seed(request_seed: int | None, configured: int) -> int:
+    """The seed llama.cpp reports: the request's, else the server's --seed,
+    with "a random one per request" (-1) as LLAMA_DEFAULT_SEED."""
+    if request_seed is not None:
+        return request_seed
+    return configured if configured >= 0 else DEFAULT_SEED
+
+
 def generation_settings(r: CompletionRequest, settings: CompletionSettings,
-                        params: SamplingParams) -> dict[str, Any]:
+                        params: SamplingParams, configured_seed: int = -1) -> dict[str, Any]:
     """llama.cpp's `generation_settings` (and /props' default params): the
-    values in effect, with the neutral values of what the engine lacks."""
+    values in effect, with the neutral values of what the engine lacks.
+    configured_seed is the model's --seed (-1: random per request)."""
     n_predict = settings.n_predict
     return {
-        "seed": params.seed if params.seed is not None else DEFAULT_SEED,
+        "seed": reported_seed(settings.sampling.seed, configured_seed),
         "temperature": params.temperature,
         "dynatemp_range": r.dynatemp_range,
         "dynatemp_exponent": r.dynatemp_exponent,
@@ -223,7 +257,9 @@ def generation_settings(r: CompletionRequest, settings: CompletionSettings,
         "n_discard": r.n_discard,
         "ignore_eos": r.ignore_eos,
         "stream": r.stream,
-        "logit_bias": [],
+        # llama.cpp writes a ban as false (JSON has no -inf).
+        "logit_bias": [[token, bias if math.isfinite(bias) else False]
+                       for token, bias in params.logit_bias.items()],
         "n_probs": r.n_probs,
         "min_keep": r.min_keep,
         "grammar": r.grammar or "",

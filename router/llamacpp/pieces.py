@@ -15,7 +15,8 @@ from functools import cache
 import tokenizers
 
 from router.text.grammar_vocab import detect_vocab_type
-from router.text.tokenizer import INLINE_ENCODE_CHARS, Tokenizer
+from router.text.offload import off_loop
+from router.text.tokenizer import INLINE_ENCODE_CHARS, Tokenizer, encode_long
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -85,7 +86,7 @@ class TokenPieces:
                     self._plain = await asyncio.to_thread(self._plain_copy)
         if len(text) <= INLINE_ENCODE_CHARS:
             return self._plain.encode(text, add_special_tokens=False).ids
-        return (await self._plain.async_encode(text, add_special_tokens=False)).ids
+        return await off_loop(encode_long, self._plain, text)
 
     def _plain_copy(self) -> tokenizers.Tokenizer:
         copy = tokenizers.Tokenizer.from_str(self._tokenizer.backend.to_str())

@@ -9,31 +9,23 @@ asleep, else from its files, and reading them does not count as use.
 
 from __future__ import annotations
 
-import importlib.metadata
-from functools import cache
 from typing import Any
 
 from aiohttp import web
 
+from router.build_info import build_fingerprint
 from router.http.errors import ApiError
 from router.http.keys import MANAGER
+from router.http.models_api import public_id
 from router.lifecycle import ModelManager, ModelSlot
 from router.lifecycle.slot import ModelState
-from router.llamacpp.params import completion_settings, generation_settings
+from router.llamacpp.params import DEFAULT_SEED, completion_settings, generation_settings
 from router.llamacpp.schemas import CompletionRequest
 from router.sampling import build_params
 from router.text.model_text import ModelText
 
 # llama.cpp's placeholder for media in a multimodal prompt (mtmd_default_marker).
 MEDIA_MARKER = "<__media__>"
-
-
-@cache
-def build_info() -> str:
-    try:
-        return f"roundhouse-{importlib.metadata.version('roundhouse')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "roundhouse"
 
 
 def n_ctx(slot: ModelSlot, text: ModelText) -> int:
@@ -54,7 +46,12 @@ def default_params(manager: ModelManager, slot: ModelSlot, text: ModelText) -> d
     settings = completion_settings(req)
     params = build_params(settings.sampling, max_tokens=1, defaults=manager.sampling_defaults(slot),
                           eos_token_ids=text.eos_token_ids)
-    return generation_settings(req, settings, params)
+    body = generation_settings(req, settings, params)
+    # The model's --seed, what a request that brings none is sampled with;
+    # -1 (a random seed per request) reads as llama.cpp writes it.
+    seed = manager.sampling_defaults(slot).seed
+    body["seed"] = seed if seed >= 0 else DEFAULT_SEED
+    return body
 
 
 def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict[str, Any]:
@@ -73,22 +70,27 @@ def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict
         },
         # Lanes: requests the engine decodes together.
         "total_slots": ready.kv.max_concurrency if ready else slot.entry.settings.engine.max_concurrency,
-        "model_alias": slot.id,
+        "model_alias": public_id(manager, slot),
         "model_path": str(slot.entry.path),
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": MEDIA_MARKER,
         "endpoint_slots": False,
         "endpoint_props": False,
         "endpoint_metrics": False,
+        # llama.cpp sends both names: its older web UI reads webui_*, the newer ui_*.
         "ui": False,
+        "webui": False,
         "ui_settings": {},
+        "webui_settings": {},
         "chat_template": text.template.source,
         "chat_template_caps": {},
         "bos_token": text.special_tokens.get("bos_token", ""),
         "eos_token": text.special_tokens.get("eos_token", ""),
-        "build_info": build_info(),
+        "build_info": build_fingerprint(),
         "is_sleeping": slot.state in (ModelState.SLEEPING, ModelState.SUSPENDING),
         "cors_proxy_enabled": False,
+        # Ours: available, cupy_missing (GPUs without CuPy) or no_gpu.
+        "cuda_kernels": manager.cuda_kernels,
     }
     if text.template.tool_use_source is not None:
         body["chat_template_tool_use"] = text.template.tool_use_source
@@ -105,8 +107,10 @@ def router_props(manager: ModelManager) -> dict[str, Any]:
         "model_path": "none",
         "default_generation_settings": {"params": {}, "n_ctx": 0},
         "ui_settings": {},
-        "build_info": build_info(),
+        "webui_settings": {},
+        "build_info": build_fingerprint(),
         "cors_proxy_enabled": False,
+        "cuda_kernels": manager.cuda_kernels,
     }
 
 

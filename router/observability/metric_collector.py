@@ -23,6 +23,7 @@ from protocol import EngineStats
 from router.lifecycle import ModelManager, ModelSlot, ModelState
 
 MODEL_STATES = tuple(dict.fromkeys(state.public for state in ModelState))
+LLAMACPP_PREFIX = "llamacpp:"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ SERIES: tuple[Series, ...] = (
     Series("llamacpp:prompt_seconds_total", "counter",
            "Prompt process time in seconds (each step's time shared by token count).",
            lambda v: v.totals["prefill_seconds_total"]),
+    Series("llamacpp:prompt_tokens_cached_total", "counter",
+           "Number of prompt tokens reused from the prefix cache instead of computed.",
+           lambda v: v.totals["cached_tokens_total"]),
     Series("llamacpp:tokens_predicted_total", "counter",
            "Number of generation tokens processed.",
            lambda v: v.totals["generated_tokens_total"]),
@@ -107,10 +111,14 @@ SERIES: tuple[Series, ...] = (
 
 
 class EngineCollector:
-    """A prometheus_client collector of the engine-derived series."""
+    """A prometheus_client collector of the engine-derived series.
+
+    On a single-model server the llamacpp: series carry no `model` label, as
+    llama-server's do, so dashboards written for it query them bare."""
 
     def __init__(self, manager: ModelManager):
         self._manager = manager
+        self._bare = manager.single
 
     def view(self, slot: ModelSlot) -> ModelView:
         engine = slot.engine
@@ -121,9 +129,10 @@ class EngineCollector:
         views = [self.view(slot) for slot in list(self._manager.slots.values())]
         for series in SERIES:
             family_type = CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily
-            family = family_type(series.name, series.help, labels=["model"])
+            bare = self._bare and series.name.startswith(LLAMACPP_PREFIX)
+            family = family_type(series.name, series.help, labels=[] if bare else ["model"])
             for view in views:
-                family.add_metric([view.slot.id], float(series.value(view)))
+                family.add_metric([] if bare else [view.slot.id], float(series.value(view)))
             yield family
         state = GaugeMetricFamily("roundhouse:model_state",
                                   "1 for the model's current status (as GET /models shows it), else 0.",

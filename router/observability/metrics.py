@@ -8,9 +8,10 @@ token counters) are built at scrape time by EngineCollector
 process-wide default one, so two servers in one process (the tests) never
 share counts.
 
-Every series carries a `model` label (the catalog id, never an alias). On a
-router, a request refused before it reached a model (bad JSON, unknown
-model, /models/load of nothing) is labelled model="".
+Every series carries a `model` label (the catalog id, never an alias), but
+for llama.cpp's own (llamacpp:) on a single-model server, which carry none,
+as llama-server's do. On a router, a request refused before it reached a
+model (bad JSON, unknown model, /models/load of nothing) is labelled model="".
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class RouterMetrics:
                 ("unload", "Unloads (engine processes stopped on purpose)."),
             )
         }
+        self.evictions = Counter("roundhouse:model_evictions_total",
+                                 "Models put to sleep or unloaded to make room for another, by "
+                                 "reason (device_memory, models_max).", ["model", "reason"],
+                                 registry=registry)
         self.engine_failures = Counter("roundhouse:engine_failures_total",
                                        "Engines that failed to load or died; the model's next "
                                        "request starts a new one.", ["model"], registry=registry)
@@ -148,20 +153,28 @@ class RouterMetrics:
         elif kind == "wake":
             self.wake_seconds.labels(model).observe(seconds)
 
+    def model_evicted(self, model: str, action: str, reason: str, for_model: str,
+                      device: str | None) -> None:
+        self.evictions.labels(model, reason).inc()
+
 
 class _Exposed:
     """The registry as /metrics shows it: OpenMetrics-only `_created` samples
     dropped (llama.cpp has none), and optionally one model's series only."""
 
-    def __init__(self, registry: CollectorRegistry, model: str | None):
+    def __init__(self, registry: CollectorRegistry, model: str | None, unlabelled: str = ""):
         self._registry = registry
         self._model = model
+        # The model a sample without a `model` label belongs to (the single
+        # model's bare llamacpp: series).
+        self._unlabelled = unlabelled
 
     def collect(self) -> Iterator[Metric]:
         for family in self._registry.collect():
             created = family.name + "_created"
             samples = [s for s in family.samples if s.name != created
-                       and (self._model is None or s.labels.get("model") == self._model)]
+                       and (self._model is None
+                            or s.labels.get("model", self._unlabelled) == self._model)]
             if samples:
                 kept = copy.copy(family)
                 kept.samples = samples
@@ -176,6 +189,7 @@ class ServerMetrics:
         self._manager = manager
         self.registry = CollectorRegistry()
         single = next(iter(manager.slots)) if manager.single else ""
+        self._single = single
         self.router = RouterMetrics(self.registry, unattributed_model=single)
         self._started: set[str] = set()
         self._start_new_models()
@@ -196,4 +210,4 @@ class ServerMetrics:
     def render(self, model: str | None = None) -> bytes:
         """The Prometheus text format (0.0.4): every model's series, or one's."""
         self._start_new_models()
-        return generate_latest(_Exposed(self.registry, model))
+        return generate_latest(_Exposed(self.registry, model, self._single))

@@ -22,9 +22,16 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 
+def new_record_id() -> str:
+    return "req-" + uuid.uuid4().hex[:16]
+
+
 @dataclass
 class RequestRecord:
-    id: str = field(default_factory=lambda: "req-" + uuid.uuid4().hex[:16])
+    id: str = field(default_factory=new_record_id)
+    # The client's own X-Request-Id, when it sent a valid one (it is then the
+    # response's x-request-id; otherwise `id` is).
+    client_request_id: str | None = None
     method: str = ""
     route: str = ""
     # "openai", "anthropic" or "llamacpp": whose error shape the route uses.
@@ -99,6 +106,12 @@ class ModelObserver(Protocol):
 
     def model_event(self, model: str, kind: str, seconds: float) -> None: ...
 
+    def model_evicted(self, model: str, action: str, reason: str, for_model: str,
+                      device: str | None) -> None:
+        """The planner evicted `model` (action: sleep or unload) to make room
+        for `for_model`; reason: device_memory or models_max."""
+        ...
+
 
 # Where the observe middleware keeps a request's record.
 RECORD: web.RequestKey[RequestRecord] = web.RequestKey("record", RequestRecord)
@@ -137,3 +150,7 @@ class Observers:
 
     def model_event(self, model: str, kind: str, seconds: float) -> None:
         self._each(self.models, "model_event", model, kind, seconds)
+
+    def model_evicted(self, model: str, action: str, reason: str, for_model: str,
+                      device: str | None) -> None:
+        self._each(self.models, "model_evicted", model, action, reason, for_model, device)

@@ -1,7 +1,8 @@
 """The request log (--request-log-jsonl): one JSON object per line per event,
 for whoever reads a server's history later (billing, capacity planning, an
-incident). docs/observability.md lists the events; request_log_schema.py
-holds their schemas.
+incident). docs/observability.md lists the events and their schemas (kept
+as data in tests/support/request_log_schema.py, which the tests hold every
+event to).
 
 Events carry counts, codes, ids and times, never prompt or output text. They
 are encoded here, on the event loop (a few microseconds), and written by the
@@ -26,13 +27,16 @@ from router.config import ServeConfig
 from router.observability.jsonl_writer import QUEUE_LINES, JsonlWriter
 from router.observability.outcome import final_outcome
 from router.observability.records import RequestRecord
-from router.observability.request_log_schema import SCHEMA_VERSION
 from router.observability.throughput import ModelThroughput
 
 if TYPE_CHECKING:
     from router.lifecycle import ModelManager
 
 REDACTED = "<redacted>"
+# In server_start; changes when a field changes meaning or goes away. The
+# schema itself (tests/support/request_log_schema.py) is the tests' and the
+# docs': the router only writes the events.
+SCHEMA_VERSION = 1
 # ServeConfig fields that hold secrets; the log says how many there are.
 SECRET_OPTIONS = ("api_keys", "api_keys_env")
 
@@ -143,6 +147,11 @@ class RequestLog:
 
     # ---- models (ModelObserver) ---------------------------------------------------------
 
+    def model_evicted(self, model: str, action: str, reason: str, for_model: str,
+                      device: str | None) -> None:
+        self.emit("model_evicted", {"model": model, "action": action, "reason": reason,
+                                    "for_model": for_model, "device": device})
+
     def model_event(self, model: str, kind: str, seconds: float) -> None:
         if kind != "load":
             self.emit("model_event", {"model": model, "kind": kind, "seconds": round(seconds, 3)})
@@ -211,5 +220,6 @@ class RequestLog:
 
     @staticmethod
     def _request(record: RequestRecord) -> dict[str, Any]:
-        return {"request_id": record.id, "method": record.method, "route": record.route,
+        return {"request_id": record.id, "client_request_id": record.client_request_id,
+                "method": record.method, "route": record.route,
                 "api": record.api, "model": record.model, "key": record.key_label}

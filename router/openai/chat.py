@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.build_info import build_fingerprint
 from router.chat.events import (
     ContentDelta,
     ReasoningDelta,
@@ -16,11 +17,11 @@ from router.chat.events import (
 from router.chat.turn import TurnRun, prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.generation import PromptProgress, new_request_id
-from router.http.errors import decode_body, openai_error_body
+from router.http.errors import decode_body, engine_error, openai_error_body
 from router.http.keys import MANAGER
-from router.http.sse import open_event_stream, send_data, send_done
+from router.http.sse import StreamOpenedError, open_event_stream, send_data, send_done
 from router.openai.chat_request import chat_request
-from router.openai.common import autoload, engine_error, now, wants_usage
+from router.openai.common import autoload, now, streaming_lease, wants_usage
 from router.openai.schemas import ChatCompletionRequest
 
 
@@ -30,14 +31,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     manager = request.app[MANAGER]
     slot = manager.resolve(req.model)
     prepared = await prepare_turn(manager, slot, chat)
-    async with manager.lease(slot, autoload=autoload(request)) as engine:
-        run = start_turn(manager, prepared, engine, new_request_id("chatcmpl"))
-        if req.stream:
-            return await ChatStream(request, run, slot.id, wants_usage(req)).send()
-        try:
-            await run.run_to_end()
-        except EngineFailure as exc:
-            raise engine_error(exc) from None
+    lease = manager.lease(slot, autoload=autoload(request), on_admit=prepared.admit)
+    if req.stream:
+        lease = streaming_lease(request, lease)
+    try:
+        async with lease as engine:
+            run = start_turn(manager, prepared, engine, new_request_id("chatcmpl"))
+            if req.stream:
+                stream = ChatStream(request, run, slot.id, wants_usage(req),
+                                    timings_per_token=bool(req.timings_per_token))
+                return await stream.send()
+            try:
+                await run.run_to_end()
+            except EngineFailure as exc:
+                raise engine_error(exc) from None
+    except StreamOpenedError as opened:
+        return opened.response
     return web.json_response(completion_body(run, slot.id))
 
 
@@ -62,6 +71,7 @@ def completion_body(run: TurnRun, model: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": now(),
         "model": model,
+        "system_fingerprint": build_fingerprint(),
         "choices": [{
             "index": 0,
             "message": _message(run),
@@ -79,11 +89,14 @@ class ChatStream:
     name, then pieces of its arguments), a finish chunk (with llama.cpp's
     timings), the usage chunk when asked for, then [DONE]."""
 
-    def __init__(self, request: web.Request, run: TurnRun, model: str, include_usage: bool):
+    def __init__(self, request: web.Request, run: TurnRun, model: str, include_usage: bool, *,
+                 timings_per_token: bool = False):
         self.request = request
         self.run = run
         self.model = model
         self.include_usage = include_usage
+        # llama.cpp's web UI asks for timings on every content chunk.
+        self.timings_per_token = timings_per_token
         self.created = now()
         self.started = time.perf_counter()
 
@@ -93,6 +106,7 @@ class ChatStream:
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": build_fingerprint(),
             "choices": [] if delta is None else [
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             ],
@@ -103,7 +117,8 @@ class ChatStream:
 
     def delta(self, event: object) -> dict[str, Any] | None:
         if isinstance(event, ContentDelta):
-            return {"content": event.text}
+            # Never an empty content delta: the role chunk opened the message.
+            return {"content": event.text} if event.text else None
         if isinstance(event, ReasoningDelta):
             return {"reasoning_content": event.text}
         if isinstance(event, ToolCallStart):
@@ -125,7 +140,8 @@ class ChatStream:
         response = await open_event_stream(self.request)
         run = self.run
         try:
-            await send_data(response, self.chunk({"role": "assistant", "content": ""}))
+            # llama.cpp's opening chunk: the role, content null.
+            await send_data(response, self.chunk({"role": "assistant", "content": None}))
             try:
                 async for event in run.events():
                     if isinstance(event, PromptProgress):
@@ -133,7 +149,10 @@ class ChatStream:
                         continue
                     delta = self.delta(event)
                     if delta is not None:
-                        await send_data(response, self.chunk(delta))
+                        body = self.chunk(delta)
+                        if self.timings_per_token:
+                            body["timings"] = run.generation.timings()
+                        await send_data(response, body)
             except EngineFailure as exc:
                 await send_data(response, openai_error_body(engine_error(exc)))
             else:

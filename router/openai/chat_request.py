@@ -1,8 +1,11 @@
 """A Chat Completions request, checked field by field, as a ChatRequest.
 
 What the engine cannot do gets a 400 naming the field (n > 1, audio output,
-a non-zero logit_bias, logprobs); the neutral values of those fields are
-accepted, and unknown fields are ignored, as OpenAI-compatible servers do.
+logprobs, store, a priority, a verbosity, a thinking budget, predicted
+outputs, web search); the neutral values of those fields are accepted, and
+unknown fields are ignored, as OpenAI-compatible servers do. Legacy
+`functions` / `function_call` are read as tools / tool_choice, as OpenAI
+does; output constraints come from router/openai/guided.py.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from protocol import GrammarSpec
 from router.chat.request import ChatRequest, NamedTool, ToolChoice
 from router.http.errors import invalid
+from router.json_schema_limits import check_enforceable
+from router.openai.guided import chat_constraint
 from router.openai.params import check_common, check_max_tokens, sampling_request
 from router.openai.schemas import ChatCompletionRequest, ChatMessage
+from router.text.model_text import RENDERER_ARGUMENTS
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# llama.cpp's refusal, word for word: the final assistant message is the one
+# the model continues (or a turn already answered), never two of them.
+TWO_ASSISTANTS = "Cannot have 2 or more assistant messages at the end of the list."
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -63,9 +71,21 @@ def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]
     return checked
 
 
+def _legacy_call(message: ChatMessage, index: int) -> list[dict[str, Any]] | None:
+    """An assistant's legacy function_call as the one tool call it is."""
+    call = message.function_call
+    if call is None:
+        return message.tool_calls
+    if message.tool_calls:
+        raise invalid("send either tool_calls or function_call", f"messages[{index}].function_call")
+    return [{"id": None, "type": "function", "function": call}]
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise invalid("'messages' must hold at least one message", "messages")
+    if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
+        raise invalid(TWO_ASSISTANTS, f"messages[{len(messages) - 1}]")
     rendered = []
     for index, message in enumerate(messages):
         if message.role not in ROLES:
@@ -73,13 +93,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"unknown role {message.role!r} in messages[{index}]; expected one of {', '.join(ROLES)}",
                 f"messages[{index}].role",
             )
-        entry: dict[str, Any] = {
-            # OpenAI's "developer" is the system role of newer models.
-            "role": "system" if message.role == "developer" else message.role,
-            "content": _text_content(message, index),
-        }
-        if message.tool_calls:
-            entry["tool_calls"] = _tool_calls(message.tool_calls, index)
+        # OpenAI's "developer" is the system role of newer models; a legacy
+        # "function" message is a tool result.
+        role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+        entry: dict[str, Any] = {"role": role, "content": _text_content(message, index)}
+        calls = _legacy_call(message, index)
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls, index)
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         if message.name is not None:
@@ -104,8 +124,26 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if parameters is not None and not isinstance(parameters, dict):
             raise invalid("function.parameters must be a JSON schema object",
                           f"tools[{index}].function.parameters", "invalid_type")
+        if function.get("strict") is True and parameters is not None:
+            check_enforceable(parameters, f"tools[{index}].function.parameters")
         checked.append({"type": "function", "function": function})
     return checked
+
+
+def _legacy_tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """tools and tool_choice, or OpenAI's older functions and function_call
+    read as them: a function_call {"name": X} is tool_choice naming X."""
+    if req.functions is None and req.function_call is None:
+        return req.tools, req.tool_choice
+    if req.tools is not None or req.tool_choice is not None:
+        field = "functions" if req.functions is not None else "function_call"
+        raise invalid("send tools and tool_choice, or the legacy functions and function_call, "
+                      "not both", field)
+    tools = [{"type": "function", "function": f} for f in req.functions or ()]
+    choice: Any = req.function_call
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tools, choice
 
 
 def check_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> ToolChoice:
@@ -127,20 +165,6 @@ def check_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
     return NamedTool(name)
 
 
-def response_format(value: dict[str, Any] | None) -> GrammarSpec | None:
-    if value is None or value.get("type") in (None, "text"):
-        return None
-    if value["type"] == "json_object":
-        return GrammarSpec("json_object")
-    if value["type"] == "json_schema":
-        schema = (value.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise invalid("response_format json_schema needs json_schema.schema, an object",
-                          "response_format.json_schema.schema")
-        return GrammarSpec("json_schema", json.dumps(schema))
-    raise invalid(f"response_format type {value['type']!r} is not supported", "response_format.type")
-
-
 def _refuse_what_we_cannot_do(req: ChatCompletionRequest) -> None:
     if req.logit_bias and any(bias != 0 for bias in req.logit_bias.values()):
         raise invalid("'logit_bias' is not supported (all-zero biases are accepted)", "logit_bias")
@@ -150,6 +174,29 @@ def _refuse_what_we_cannot_do(req: ChatCompletionRequest) -> None:
         raise invalid("'top_logprobs' is not supported yet", "top_logprobs")
     if req.audio is not None or (req.modalities and "audio" in req.modalities):
         raise invalid("audio output is not supported", "audio" if req.audio is not None else "modalities")
+    if req.store:
+        raise invalid("'store' is not supported: chat completions are not stored here "
+                      "(false is accepted; the Responses API stores responses)", "store",
+                      "unsupported_parameter")
+    if req.verbosity not in (None, "medium"):
+        raise invalid("'verbosity' cannot be set for these models ('medium' is accepted)",
+                      "verbosity", "unsupported_parameter")
+    if req.service_tier not in (None, "auto", "default"):
+        raise invalid(f"service tier {req.service_tier!r} is not supported; use 'auto' or "
+                      "'default'", "service_tier", "unsupported_parameter")
+    if req.prediction is not None:
+        raise invalid("predicted outputs ('prediction') are not supported", "prediction",
+                      "unsupported_parameter")
+    if req.web_search_options is not None:
+        raise invalid("web search is not supported", "web_search_options", "unsupported_parameter")
+    if req.thinking_budget not in (None, -1):
+        raise invalid("'thinking_budget' is not enforced by this server yet; send max_tokens, "
+                      "which caps thinking and answer together (-1 is accepted)",
+                      "thinking_budget", "unsupported_parameter")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid("'add_generation_prompt' and 'continue_final_message' contradict each "
+                      "other: continuing the final message opens no new turn",
+                      "add_generation_prompt")
 
 
 def thinking_choice(req: ChatCompletionRequest) -> bool | None:
@@ -175,18 +222,46 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
     else:
         max_tokens, max_field = req.max_tokens, "max_tokens"
     check_max_tokens(max_tokens, max_field)
-    tools = check_tools(req.tools)
+    given_tools, given_choice = _legacy_tools(req)
+    tools = check_tools(given_tools)
     sampling = sampling_request(req, max_tokens)
     if req.return_progress:
         sampling = replace(sampling, report_progress=True)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
+    reserved = sorted(RENDERER_ARGUMENTS & kwargs.keys())
+    if reserved:
+        raise invalid(f"'chat_template_kwargs' may not set {reserved[0]!r}: the server sets it "
+                      "from the request itself", "chat_template_kwargs")
+    messages = template_messages(req.messages)
+    prefill = ""
+    if req.continue_final_message:
+        prefill, messages = _final_assistant_text(messages), messages[:-1]
     return ChatRequest(
-        messages=template_messages(req.messages),
+        messages=messages,
         sampling=sampling,
         tools=tools,
-        tool_choice=check_tool_choice(req.tool_choice, tools),
+        tool_choice=check_tool_choice(given_choice, tools),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=thinking_choice(req),
         template_kwargs=kwargs,
-        response_format=response_format(req.response_format),
+        prefill=prefill,
+        response_format=chat_constraint(req),
+        add_generation_prompt=req.add_generation_prompt is not False,
     )
+
+
+def _final_assistant_text(messages: list[dict[str, Any]]) -> str:
+    """continue_final_message: the final message must be the assistant's
+    text, which the model goes on from (and which is not sent back)."""
+    final = messages[-1]
+    where = f"messages[{len(messages) - 1}]"
+    if final["role"] != "assistant":
+        raise invalid("'continue_final_message' needs the final message to be the assistant's",
+                      f"{where}.role")
+    if final.get("tool_calls") or not final["content"]:
+        raise invalid("'continue_final_message' needs a final assistant message with text "
+                      "and no tool calls", f"{where}.content")
+    if len(messages) < 2:
+        raise invalid("'continue_final_message' needs a message before the assistant's",
+                      "messages")
+    return final["content"]

@@ -10,18 +10,27 @@ from typing import Any
 
 from aiohttp import web
 
+from protocol import GrammarSpec
 from router.engine_client import EngineFailure
 from router.generation import Generation, GenerationInput, check_context
-from router.http.errors import ApiError, invalid, openai_error_body
+from router.http.errors import as_api_error, engine_error, openai_error_body
 from router.http.keys import MANAGER
-from router.http.sse import open_event_stream, send_data, send_done
+from router.http.sse import (
+    EventStream,
+    StreamingLease,
+    open_event_stream,
+    send_data,
+    send_done,
+)
 from router.lifecycle import ModelSlot
+from router.observability.records import current_record
 from router.openai.params import (
     build_sampling,
     check_max_tokens,
     stop_strings,
 )
 from router.openai.schemas import SamplingFields
+from router.output_budget import output_budget
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
 
@@ -44,18 +53,42 @@ def start_generation(
     request_id: str,
     max_tokens: int | None,
     max_tokens_field: str,
+    grammar: GrammarSpec | None = None,
 ) -> Generation:
     check_max_tokens(max_tokens, max_tokens_field)
-    check_context(prompt_ids, slot.max_context)
+    check_context(prompt_ids, slot.max_context, "prompt")
     manager = app[MANAGER]
     params = build_sampling(
         req,
-        max_tokens=manager.output_budget(slot, len(prompt_ids), max_tokens),
+        max_tokens=output_budget(slot.max_context, len(prompt_ids), max_tokens,
+                                 manager.config.default_max_tokens),
         defaults=manager.sampling_defaults(slot),
         eos_token_ids=text.eos_token_ids,
+        grammar=grammar,
+        n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None,
     )
+    if grammar is not None:
+        from router.text.grammar_vocab import grammar_vocab
+
+        engine.client.send_vocab_once(lambda: grammar_vocab(text))
     spec = GenerationInput(prompt_ids, params, stop_strings(req.stop), req.skip_special_tokens)
     return Generation(engine.client, text, request_id, spec)
+
+
+async def send_stream_error(response: EventStream, exc: Exception) -> None:
+    """An OpenAI stream's refusal after its headers went out: an error chunk, then [DONE]."""
+    error = as_api_error(exc)
+    record = current_record.get()
+    if record is not None:
+        record.outcome, record.error_code = "error", error.code
+    await send_data(response, openai_error_body(error))
+    await send_done(response)
+
+
+def streaming_lease(request: web.Request, lease: Any) -> Any:
+    """A streamed request's lease: its stream opens (and is kept alive) when
+    admission takes a while; a refusal then is an error chunk."""
+    return StreamingLease(lease, lambda: open_event_stream(request), send_stream_error)
 
 
 def wants_usage(req: SamplingFields) -> bool:
@@ -77,15 +110,6 @@ def usage(generation: Generation) -> dict[str, Any]:
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
     }
-
-
-def engine_error(exc: EngineFailure) -> ApiError:
-    """An engine refusal is the client's 400; a dead engine is a 503."""
-    if exc.code == "context_length_exceeded":
-        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
-    if exc.code in ("invalid_request", "duplicate_request"):
-        return invalid(str(exc), None, exc.code)
-    return ApiError(503, str(exc), code="engine_failed", headers={"Retry-After": "1"})
 
 
 def now() -> int:

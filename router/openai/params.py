@@ -3,24 +3,23 @@
 
 from __future__ import annotations
 
-from protocol import SamplingParams
+import math
+
+from protocol import GrammarSpec, SamplingParams
 from router.http.errors import invalid
 from router.openai.schemas import SamplingFields
+from router.output_budget import NO_LIMIT
 from router.sampling import SamplingDefaults, SamplingRequest, build_params, check_range
+from router.text.stop_strings import check_stops
 
 __all__ = ["SamplingDefaults", "build_sampling", "check_common", "check_max_tokens",
            "sampling_request", "stop_strings"]
-
-MAX_STOP_STRINGS = 16
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    return tuple(s for s in stops if s)
+    return check_stops([stop] if isinstance(stop, str) else stop, "stop")
 
 
 def check_common(req: SamplingFields) -> None:
@@ -36,11 +35,40 @@ def check_common(req: SamplingFields) -> None:
         raise invalid(f"'top_k' must be -1 or 0 (off) or a positive count, got {req.top_k}", "top_k")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise invalid("'stop_token_ids' must hold non-negative token ids", "stop_token_ids")
+    if req.priority not in (None, 0):
+        raise invalid("'priority' is not supported: requests are served in arrival order "
+                      "(0 is accepted)", "priority", "unsupported_parameter")
+
+
+# OpenAI's bounds on a logit bias.
+MAX_LOGIT_BIAS = 100.0
+
+
+def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias}: ids as integers, biases in [-100, 100]
+    (-100 bans a token in practice, as at OpenAI). Ids are checked against the
+    model's vocabulary once it is loaded (router/sampling.py)."""
+    biases: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"'logit_bias' keys are token ids, got {key!r}", "logit_bias") from None
+        if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"'logit_bias' values must be in [-100, 100], got {bias} for token {token}",
+                          "logit_bias")
+        if token < 0:
+            raise invalid(f"'logit_bias' names token id {token}, outside the vocabulary", "logit_bias")
+        if bias:
+            biases[token] = float(bias)
+    return biases
 
 
 def check_max_tokens(value: int | None, name: str) -> None:
-    if value is not None and value < 1:
-        raise invalid(f"'{name}' must be at least 1, got {value}", name)
+    # -1: no limit but the context (llama.cpp's meaning; its web UI sends it).
+    if value is not None and value < 1 and value != NO_LIMIT:
+        raise invalid(f"'{name}' must be at least 1, or -1 for no limit but the context; "
+                      f"got {value}", name)
 
 
 def sampling_request(req: SamplingFields, max_tokens: int | None) -> SamplingRequest:
@@ -58,6 +86,7 @@ def sampling_request(req: SamplingFields, max_tokens: int | None) -> SamplingReq
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=logit_bias(req.logit_bias),
     )
 
 
@@ -67,7 +96,10 @@ def build_sampling(
     max_tokens: int,
     defaults: SamplingDefaults,
     eos_token_ids: tuple[int, ...],
+    grammar: GrammarSpec | None = None,
+    n_vocab: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for an OpenAI request (see router/sampling.py)."""
     return build_params(sampling_request(req, max_tokens), max_tokens=max_tokens,
-                        defaults=defaults, eos_token_ids=eos_token_ids)
+                        defaults=defaults, eos_token_ids=eos_token_ids, grammar=grammar,
+                        n_vocab=n_vocab)

@@ -24,6 +24,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     # Earlier thinking, handed back to templates that render it (Qwen3 does).
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # The legacy function-calling shape (an assistant's call), read as tool_calls.
+    function_call: dict[str, Any] | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -43,10 +45,21 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # {token id (as a string): bias in [-100, 100]}, added to the logits.
+    logit_bias: dict[str, float] | None = None
     # vLLM's extensions, handy for benchmarks and tools.
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured outputs (router/openai/guided.py): at most one of them.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's scheduling priority: only the default (0) is accepted.
+    priority: int | None = None
+    # An end-user id for abuse monitoring: accepted, without effect here.
     user: str | None = None
 
 
@@ -59,15 +72,31 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     reasoning_effort: str | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's legacy function calling, read as tools / tool_choice.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's: render without opening an assistant turn / continue the final
+    # assistant message instead (they exclude each other).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     # Accepted at their neutral values only (router/openai/chat_request.py).
-    logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    store: bool | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    thinking_budget: int | None = None
     # llama.cpp's extensions.
     enable_thinking: bool | None = None
     return_progress: bool = False
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    # Timings on every streamed content chunk (llama.cpp's web UI sends it).
+    timings_per_token: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -76,3 +105,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     echo: bool = False
     suffix: str | None = None
+    # Refused unless absent or neutral (router/openai/completions.py).
+    logprobs: int | None = None
+    best_of: int | None = None

@@ -92,6 +92,21 @@ class CallBody(ABC):
         self._end()
         return self._take(Outcome.ENDED, "")
 
+    def cut(self) -> list[ParsedEvent]:
+        """The token limit ended the stream inside the call: its end with the
+        arguments as generated, nothing invented or closed (no events when
+        the header never completed: there is no call to report)."""
+        if self.name is None:
+            return []
+        self._finish_cut_arguments()
+        self._events.append(ToolCallEnd(self.index, self.id, self.name, "".join(self._arguments),
+                                        complete=False))
+        return self._take(None, "").events
+
+    @abstractmethod
+    def _finish_cut_arguments(self) -> None:
+        """Send argument text still held when the stream is cut: as written, nothing closed."""
+
     # Events.
 
     def _start(self, name: str) -> None:

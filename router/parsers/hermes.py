@@ -48,6 +48,10 @@ class HermesCall(CallBody):
         if self._state == self._scalar_value and self._sends_value:
             self._send_scalar()
 
+    def _finish_cut_arguments(self) -> None:
+        if self._state == self._scalar_value and self._sends_value:
+            self._send("".join(self._scalar))
+
     # The object's structure. A '<' where JSON cannot continue may open the
     # closing tag (a call cut short, or written without its last brace).
 

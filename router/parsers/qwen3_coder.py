@@ -72,6 +72,11 @@ class Qwen3CoderCall(CallBody):
         self._value_held = ""  # a trailing newline and/or the start of a tag that may end the value
         self._state = self._open
 
+    def _finish_cut_arguments(self) -> None:
+        # A value still buffered for typing is sent as written, the JSON open.
+        if self._mode is not None and self._mode is not _Value.STRING:
+            self._send("".join(self._value_parts))
+
     def _finish_arguments(self) -> None:
         if self._mode is None:
             self._send("}" if self._has_parameters else "{}")

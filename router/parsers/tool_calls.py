@@ -96,8 +96,15 @@ class ToolCallParser:
         self._scan(text)
         return self._take()
 
-    def flush(self) -> list[ParsedEvent]:
-        """End of the stream: end an open call, give back what was held."""
+    def flush(self, *, cut: bool = False) -> list[ParsedEvent]:
+        """End of the stream: end an open call, give back what was held.
+
+        cut: the token limit ended the stream. A call open then ends as
+        incomplete (ToolCallEnd.complete False) with its arguments as
+        generated; one whose name never came, or an opening tag begun, is
+        dropped rather than shown as text."""
+        if cut:
+            return self._cut()
         while self._body is not None:
             leftover = self._call_over(self._body.finish())
             if leftover:
@@ -105,6 +112,15 @@ class ToolCallParser:
         if self._held:
             self._content(self._held, self._held_at)
             self._held, self._tag = "", 0
+        return self._take()
+
+    def _cut(self) -> list[ParsedEvent]:
+        if self._body is not None:
+            self._events.extend(self._body.cut())
+            self._body = None
+        elif self._held and not self._tag:
+            self._content(self._held, self._held_at)  # plain trailing whitespace
+        self._held, self._tag = "", 0
         return self._take()
 
     def _scan(self, text: str) -> None:

@@ -16,13 +16,15 @@ from router.http.errors import ApiError
 from router.responses.output import Event, OutputAssembler
 from router.responses.request_map import ResponsePlan
 from router.responses.response import response_body, usage
-from router.responses.store import ResponseStore, stored
+from router.responses.store import ChainPin, ResponseStore, stored
 
 
 class ResponseRun:
     def __init__(self, response_id: str, plan: ResponsePlan, run: TurnRun, model: str,
-                 sampling: dict[str, float]):
+                 sampling: dict[str, float], pin: ChainPin):
         self.id = response_id
+        # The conversation it continues, pinned in the store while it runs.
+        self.pin = pin
         self.plan = plan
         self.run = run
         self.model = model
@@ -32,8 +34,12 @@ class ResponseRun:
 
     async def events(self) -> AsyncIterator[Event]:
         """Output events as the turn produces them, the closing ones last.
-        Raises EngineFailure when the engine refuses the request or dies."""
+        Raises EngineFailure when the engine refuses the request or dies, and
+        ChainBroken as soon as the conversation it continues is deleted
+        (then closing the turn aborts the engine request)."""
+        self.pin.check()
         async for event in self.run.events():
+            self.pin.check()
             if isinstance(event, PromptProgress):
                 continue  # the Responses API has no prompt progress event
             for out in self.output.feed(event):
@@ -60,7 +66,10 @@ class ResponseRun:
         return self.body("incomplete" if self.incomplete else "completed")
 
     def keep(self, body: dict[str, Any], store: ResponseStore) -> None:
-        """Store a finished response (unless the request said store: false)."""
+        """Store a finished response (unless the request said store: false).
+        Raises ChainBroken, storing nothing, if the conversation it continues
+        was deleted meanwhile: a stored response must be one that can be continued."""
+        self.pin.check()
         if self.plan.store:
             store.put(stored(body, self.plan.input_items, self.plan.echo["previous_response_id"]))
 

@@ -20,16 +20,18 @@ from router.chat.request import ChatRequest
 from router.chat.turn import PreparedTurn, prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.errors import RouterError
-from router.http.errors import ApiError, decode_body, invalid
+from router.http.errors import ApiError, decode_body, engine_error, invalid
 from router.http.keys import MANAGER
-from router.openai.common import autoload, engine_error
+from router.http.sse import StreamOpenedError
+from router.lifecycle import ModelSlot
+from router.openai.common import autoload
 from router.responses import ids
 from router.responses.generate import ResponseRun
 from router.responses.pagination import page_of_items
-from router.responses.request_map import build_plan
+from router.responses.request_map import ResponsePlan, build_plan
 from router.responses.schema import ResponsesRequest
-from router.responses.store import StoredResponse, response_store
-from router.responses.stream import stream_response
+from router.responses.store import ChainPin, ResponseStore, StoredResponse, response_store
+from router.responses.stream import stream_response, streaming_lease
 
 
 @contextlib.contextmanager
@@ -54,6 +56,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), ResponsesRequest)
     store = response_store(request.app)
     plan = build_plan(req, store)
+    # Pinned with no await since build_plan read the chain, so it is the same
+    # chain. A DELETE of one of its records while this runs fails this
+    # response (store.py says why) rather than leaving it unable to continue.
+    with store.pinned(req.previous_response_id) as pin:
+        return await _create(request, req, plan, store, pin)
+
+
+async def _create(request: web.Request, req: ResponsesRequest, plan: ResponsePlan,
+                  store: ResponseStore, pin: ChainPin) -> web.StreamResponse:
     manager = request.app[MANAGER]
     prepared = await _prepare(request, req, plan.chat)
     slot = prepared.slot
@@ -63,20 +74,30 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         "top_p": req.top_p if req.top_p is not None else defaults.top_p,
     }
     response_id = ids.new_id(ids.RESPONSE)
-    async with manager.lease(slot, autoload=autoload(request)) as engine:
-        with _about_input():
-            turn = start_turn(manager, prepared, engine, response_id)
-        run = ResponseRun(response_id, plan, turn, slot.id, sampling)
-        if plan.stream:
-            return await stream_response(request, run, store)
-        try:
-            async for _ in run.events():
-                pass
-        except EngineFailure as exc:
+
+    def admit(loaded: ModelSlot) -> None:
+        prepared.admit(loaded, param="input", limit_field="max_output_tokens")
+
+    lease = manager.lease(slot, autoload=autoload(request), on_admit=admit)
+    if plan.stream:
+        lease = streaming_lease(request, lease)
+    try:
+        async with lease as engine:
             with _about_input():
-                raise engine_error(exc) from None
-        finally:
-            turn.generation.close()
+                turn = start_turn(manager, prepared, engine, response_id)
+            run = ResponseRun(response_id, plan, turn, slot.id, sampling, pin)
+            if plan.stream:
+                return await stream_response(request, run, store)
+            try:
+                async for _ in run.events():
+                    pass
+            except EngineFailure as exc:
+                with _about_input():
+                    raise engine_error(exc) from None
+            finally:
+                turn.generation.close()
+    except StreamOpenedError as opened:
+        return opened.response
     body = run.final_body()
     run.keep(body, store)
     return web.json_response(body)

@@ -168,6 +168,8 @@ class OutputAssembler:
             # The parser's whole arguments are the truth (deltas may be cut
             # differently); they are the deltas joined in every parser we have.
             call["arguments"] = event.arguments
+            if not event.complete:
+                status = "incomplete"  # cut by the token limit
         call["status"] = status
         return [self._event("response.function_call_arguments.done", call, arguments=call["arguments"]),
                 {"type": "response.output_item.done", "output_index": self._index[call["id"]],

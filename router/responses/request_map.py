@@ -24,6 +24,7 @@ from typing import Any
 from protocol import GrammarSpec
 from router.chat.request import ChatRequest
 from router.http.errors import invalid
+from router.json_schema_limits import check_enforceable
 from router.responses.history import template_messages
 from router.responses.items import canonical_input
 from router.responses.schema import ResponsesRequest
@@ -60,6 +61,9 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
     history = _history(req.previous_response_id, store)
     input_items = canonical_input(req.input)
     tools = tool_set(req.tools)
+    for index, tool in enumerate(req.tools or ()):
+        if tool.get("type") == "function" and tool.get("strict") is True:
+            check_enforceable(tool.get("parameters"), f"tools[{index}].parameters")
     choice = tool_choice(req.tool_choice, tools)
     messages = template_messages([*history, *input_items], req.instructions, tools)
     if not any(m["role"] != "system" for m in messages):
@@ -151,6 +155,8 @@ def _text_format(req: ResponsesRequest) -> GrammarSpec | None:
         if not isinstance(schema, dict):
             raise invalid("text.format json_schema needs 'schema', a JSON schema object",
                           "text.format.schema")
+        if fmt.get("strict") is True:
+            check_enforceable(schema, "text.format.schema")
         return GrammarSpec("json_schema", json.dumps(schema))
     raise invalid(f"text.format type {fmt['type']!r} is not supported; use text, json_object or "
                   "json_schema", "text.format.type")

@@ -19,10 +19,11 @@ import msgspec
 from aiohttp import web
 
 from router.engine_client import EngineFailure
-from router.http.sse import open_event_stream
-from router.openai.common import engine_error
+from router.http.errors import api_error, as_api_error, engine_error
+from router.http.sse import EventStream, StreamingLease, open_event_stream
+from router.observability.records import current_record
 from router.responses.generate import ResponseRun
-from router.responses.store import ResponseStore
+from router.responses.store import ChainBroken, ResponseStore
 
 _encode = msgspec.json.encode
 
@@ -39,6 +40,23 @@ class EventWriter:
         await self.response.write(b"event: " + kind + b"\ndata: " + _encode(event) + b"\n\n")
 
 
+async def send_error(response: EventStream, exc: Exception) -> None:
+    """A refusal after the stream opened (a long wait for admission): the
+    API's `error` event, which ends the stream."""
+    error = as_api_error(exc)
+    record = current_record.get()
+    if record is not None:
+        record.outcome, record.error_code = "error", error.code
+    await EventWriter(response).send({"type": "error", "code": error.code or error.type,
+                                      "message": error.message, "param": error.param})
+
+
+def streaming_lease(request: web.Request, lease: Any) -> Any:
+    """A streamed response's lease: the stream opens (with keep-alive
+    comments) when admission takes a while; a refusal then is an error event."""
+    return StreamingLease(lease, lambda: open_event_stream(request), send_error)
+
+
 async def stream_response(request: web.Request, run: ResponseRun, store: ResponseStore) -> web.StreamResponse:
     response = await open_event_stream(request)
     writer = EventWriter(response)
@@ -48,14 +66,16 @@ async def stream_response(request: web.Request, run: ResponseRun, store: Respons
         try:
             async for event in run.events():
                 await writer.send(event)
-        except EngineFailure as exc:
-            await writer.send({"type": "response.failed",
-                               "response": run.body("failed", engine_error(exc))})
-        else:
             body = run.final_body()
             # Stored before the client hears of the end, so that it can
             # continue the conversation at once.
             run.keep(body, store)
+        except EngineFailure as exc:
+            await writer.send({"type": "response.failed",
+                               "response": run.body("failed", engine_error(exc))})
+        except ChainBroken as broken:
+            await writer.send({"type": "response.failed", "response": run.body("failed", api_error(broken))})
+        else:
             await writer.send({"type": f"response.{body['status']}", "response": body})
     except ConnectionResetError:
         pass  # the client left; close() below aborts the engine request

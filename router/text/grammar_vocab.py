@@ -45,7 +45,10 @@ def grammar_vocab(text: ModelText) -> GrammarVocab:
     for token_id in tokenizer.special_token_ids:
         tokens[token_id] = ""
     vocab_type = detect_vocab_type(tokenizer.backend, tokens)
-    return GrammarVocab(tokens, vocab_type, _adds_prefix_space(tokenizer.backend, vocab_type))
+    # The same end-of-sequence ids that every request's stop_token_ids carry:
+    # one derivation (ModelText), so the grammar ends where generation stops.
+    return GrammarVocab(tokens, vocab_type, list(text.eos_token_ids),
+                        _adds_prefix_space(tokenizer.backend, vocab_type))
 
 
 def detect_vocab_type(backend: tokenizers.Tokenizer, tokens: Sequence[str]) -> VocabType:

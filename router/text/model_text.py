@@ -11,18 +11,29 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from router.text.gguf_metadata import read_gguf_metadata
+from router.text.offload import off_loop
 from router.text.tokenizer import Tokenizer, special_token_content
 
 log = logging.getLogger(__name__)
 
 # A split GGUF's metadata lives in its first shard.
 _FIRST_SHARD = re.compile(r"-00001-of-\d{5}\.gguf$")
+
+# Conversations up to about this many characters render in a millisecond or
+# less: on the event loop, where a thread hop would cost more than it saves.
+INLINE_RENDER_SIZE = 32_768
+_MESSAGE_SIZE, _NESTED_SIZE = 256, 1024
+
+# Template variables the server sets from the request itself; a request's
+# chat_template_kwargs may not set them (router/openai/chat_request.py).
+RENDERER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt",
+                                "continue_final_message"})
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,16 @@ class ModelText:
     bos_token_id: int | None
     context_length: int | None
     special_tokens: Mapping[str, str]  # bos_token, eos_token, ... as the template sees them
+    # --chat-template-kwargs: variables every rendering gets unless the request sets them.
+    template_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_overrides(self, template: str | None, template_defaults: Mapping[str, Any]) -> ModelText:
+        """This text side with the server's --chat-template (source text, already
+        known to compile) and --chat-template-kwargs applied."""
+        changed = replace(self, template_defaults=dict(template_defaults))
+        if template is not None:
+            changed = replace(changed, template=ChatTemplate(template), template_origin="--chat-template")
+        return changed
 
     @classmethod
     def load(cls, path: str | Path) -> ModelText:
@@ -67,9 +88,17 @@ class ModelText:
                     tools: Sequence[Mapping[str, Any]] | None = None,
                     **template_kwargs: Any) -> str:
         """The prompt text for a conversation; TemplateError if the template rejects it."""
-        kwargs = {**self.special_tokens, **template_kwargs}
+        kwargs = {**self.special_tokens, **self.template_defaults, **template_kwargs}
         return self.template.render(messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, **kwargs)
+
+    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        """render_chat() off the event loop for a long conversation, which
+        renders for as long as it is long; a short one (nearly every chat)
+        renders in place, so that it never queues behind other text work."""
+        if _rough_size(messages, kwargs.get("tools")) <= INLINE_RENDER_SIZE:
+            return self.render_chat(messages, **kwargs)
+        return await off_loop(self.render_chat, messages, **kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids for a rendered prompt or raw completion text, with BOS exactly once if wanted."""
@@ -152,6 +181,21 @@ class ModelText:
         return cls(path=path, tokenizer=tokenizer, template=template, template_origin=origin,
                    eos_token_ids=eos_ids, bos_token_id=tokenizer.bos_token_id,
                    context_length=context_length, special_tokens=specials)
+
+
+def _rough_size(messages: Sequence[Mapping[str, Any]], tools: Any) -> int:
+    """The work of rendering a conversation, in characters and erring high:
+    each message costs as much as a short text besides its own, and each list
+    or object in it (content parts, tool calls) or in the tools as a long one."""
+    size = 0
+    for message in messages:
+        size += _MESSAGE_SIZE
+        for value in message.values() if isinstance(message, Mapping) else (message,):
+            if isinstance(value, str):
+                size += len(value)
+            elif isinstance(value, list | tuple | Mapping):
+                size += _NESTED_SIZE
+    return size + _NESTED_SIZE * len(tools or ())
 
 
 def _hf_template(path: Path, config: Mapping[str, Any]) -> tuple[Any, Any, str]:

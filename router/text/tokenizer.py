@@ -19,6 +19,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
+from router.text.offload import off_loop
+
 log = logging.getLogger(__name__)
 
 # llama.cpp's tokenizer.ggml.token_type values.
@@ -50,6 +52,9 @@ _PRE_FAMILIES = {
 
 # About 500 tokens, under a millisecond to encode (about 2.4 us a token).
 INLINE_ENCODE_CHARS = 2048
+# Decoding this many ids holds the GIL for about a millisecond; past it,
+# decode_batch, which releases it, is worth its extra list.
+INLINE_DECODE_IDS = 4096
 
 class Tokenizer:
     """Encode and decode text for one model. Thread-safe: the backend is immutable once built."""
@@ -63,6 +68,8 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
+        # One past the largest id that has a token: added tokens may leave gaps.
+        self.id_limit: int = max(self.vocab_size, max(added, default=-1) + 1)
         self.special_token_ids: frozenset[int] = frozenset(
             token_id for token_id, token in added.items() if token.special)
 
@@ -72,17 +79,25 @@ class Tokenizer:
         return self._with_bos(ids) if add_special_tokens else ids
 
     async def encode_async(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """encode() without blocking the event loop: tokenizers runs long texts
-        on its own threads. Short ones (well under a millisecond) are encoded
-        in place, where a thread hop would cost more than it saves."""
+        """encode() without blocking the event loop: long texts are encoded on
+        the text pool (router/text/offload.py), which also bounds how many
+        encode at once. Short ones (well under a millisecond) are encoded in
+        place, where a thread hop would cost more than it saves."""
         if len(text) <= INLINE_ENCODE_CHARS:
             return self.encode(text, add_special_tokens=add_special_tokens)
-        encoding = await self.backend.async_encode(text, add_special_tokens=False)
-        return self._with_bos(encoding.ids) if add_special_tokens else encoding.ids
+        ids = await off_loop(encode_long, self.backend, text)
+        return self._with_bos(ids) if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of ids; ids past the vocabulary (a model's padded embedding rows) are dropped."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ids; ids past the vocabulary (a model's padded embedding rows) are dropped,
+        and so are ids no vocabulary has (negative, or too big for the backend's 32 bits)."""
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.id_limit):
+            ids = [i for i in ids if 0 <= i < self.id_limit]
+        if len(ids) > INLINE_DECODE_IDS:
+            # decode_batch lets go of the GIL while it works; decode holds it.
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -142,6 +157,13 @@ class Tokenizer:
             if add_bos:
                 bos_id = added[0]
         return cls(backend, bos_token_id=bos_id, add_bos_token=add_bos)
+
+
+def encode_long(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    """Token ids of a long text, for a text pool thread. encode() would hold
+    the GIL throughout (a second per MB); the batch call lets go of it, and
+    its "fast" form skips the character offsets nobody here reads."""
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
 
 def special_token_content(value: Any) -> str | None:

@@ -27,6 +27,8 @@ import requests
 
 from router.cli import CommandLineError, build_parser, parse_serve_command
 from router.config import ServeConfig
+from router.server import HANDLER_SHUTDOWN_SECONDS
+from router.settings import ModelSettings
 from router.systemd import monotonic_usec, notify
 from tests.support.server import Server, free_port, wait_until
 
@@ -200,6 +202,19 @@ def test_unit_is_a_notify_service_run_by_its_own_user(unit: Unit) -> None:
     assert value(unit, "Service", "KillMode") == "mixed"
     assert value(unit, "Service", "KillSignal") == "SIGTERM"
     assert value(unit, "Install", "WantedBy") == "multi-user.target"
+
+
+def test_stop_timeout_covers_the_drain_and_the_engines(unit: Unit, env_text: str) -> None:
+    """systemd SIGKILLs the service when TimeoutStopSec= runs out: that must
+    come after the router's own shutdown could have ended, with room to spare."""
+    argv = expand_command(value(unit, "Service", "ExecStart"), unit_environment(unit, env_text))
+    config = parse_serve(argv[1:])
+    stop_timeout = config.cli_model_options.get("stop-timeout", ModelSettings().stop_timeout)
+    # Running requests' grace, then each engine: Shutdown, SIGTERM, SIGKILL,
+    # each given --stop-timeout, then aiohttp's wait for the handlers.
+    shutdown = config.shutdown_grace_seconds + 3 * stop_timeout + HANDLER_SHUTDOWN_SECONDS
+    stop = float(value(unit, "Service", "TimeoutStopSec"))
+    assert stop >= shutdown + 30, (stop, shutdown)
 
 
 def test_unit_leaves_the_gpu_reachable(unit: Unit) -> None:

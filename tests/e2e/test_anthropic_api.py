@@ -91,7 +91,7 @@ def raw_events(server: Server, body: dict) -> list[tuple[str, dict]]:
                                                                 "stream": True, **body}, timeout=60)
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"].startswith("text/event-stream")
-    assert response.headers["request-id"].startswith("req_")
+    assert response.headers["request-id"].startswith("req-")
     events = []
     for chunk in response.text.split("\n\n"):
         if not chunk.strip():
@@ -128,7 +128,7 @@ def comparable(message: anthropic.types.Message) -> list[dict]:
 def test_a_reply_with_thinking(client: anthropic.Anthropic) -> None:
     raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=2048,
                                                    messages=[{"role": "user", "content": "Say hello"}])
-    assert raw.headers["request-id"].startswith("req_")
+    assert raw.headers["request-id"].startswith("req-")
     reply = raw.parse()
     assert reply.id.startswith("msg_") and reply.type == "message" and reply.role == "assistant"
     assert reply.model == MODEL
@@ -340,7 +340,7 @@ def test_count_tokens_loads_nothing(server: Server) -> None:
     response = server.post("/v1/messages/count_tokens",
                            json={"model": "never-loaded", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 200 and response.json()["input_tokens"] > 0
-    assert response.headers["request-id"].startswith("req_")
+    assert response.headers["request-id"].startswith("req-")
     models = {m["id"]: m["status"]["value"] for m in server.get("/v1/models").json()["data"]}
     assert models["never-loaded"] == "unloaded"
 
@@ -379,13 +379,13 @@ def test_invalid_requests_are_400s_naming_the_field(server: Server, body: dict, 
     payload = response.json()
     assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
     assert field in payload["error"]["message"]
-    assert payload["request_id"] == response.headers["request-id"] and payload["request_id"].startswith("req_")
+    assert payload["request_id"] == response.headers["request-id"] and payload["request_id"].startswith("req-")
 
 
 def test_the_sdk_sees_a_bad_request(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as caught:
         ask(client, "hi", max_tokens=1500, thinking={"type": "enabled", "budget_tokens": 1500})
-    assert caught.value.status_code == 400 and caught.value.request_id.startswith("req_")
+    assert caught.value.status_code == 400 and caught.value.request_id.startswith("req-")
     assert caught.value.body["error"]["type"] == "invalid_request_error"
 
 
@@ -397,11 +397,13 @@ def test_an_unknown_model_is_404(client: anthropic.Anthropic) -> None:
         client.messages.count_tokens(model="claude-nonexistent", messages=[{"role": "user", "content": "hi"}])
 
 
-def test_a_model_that_may_not_load_is_529(client: anthropic.Anthropic) -> None:
-    with pytest.raises(anthropic.OverloadedError) as caught:
+def test_a_model_that_may_not_load_is_400(client: anthropic.Anthropic) -> None:
+    # The client must load it first (POST /models/load), as llama.cpp's router says.
+    with pytest.raises(anthropic.BadRequestError) as caught:
         ask(client, "hi", model="never-loaded", extra_query={"autoload": "0"})
-    assert caught.value.status_code == 529
-    assert caught.value.body["error"]["type"] == "overloaded_error"
+    assert caught.value.status_code == 400
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "POST /models/load" in caught.value.body["error"]["message"]
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +429,7 @@ def test_no_room_for_a_model_is_529_overloaded(busy_server: Server) -> None:
         with pytest.raises(anthropic.OverloadedError) as caught:
             client.messages.create(model="b", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
     assert caught.value.body["error"]["type"] == "overloaded_error"
-    assert caught.value.request_id.startswith("req_")
+    assert caught.value.request_id.startswith("req-")
 
 
 # ---- the real engine -------------------------------------------------------------------

@@ -26,7 +26,7 @@ def with_(**fields: object) -> dict:
         (with_(top_p=0), "top_p", "invalid_value"),
         (with_(top_p=1.5), "top_p", "invalid_value"),
         (with_(n=2), "n", "invalid_value"),
-        (with_(max_tokens=-1), "max_tokens", "invalid_value"),
+        (with_(max_tokens=-2), "max_tokens", "invalid_value"),
         (with_(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
         (with_(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", "invalid_value"),
         (with_(messages=[]), "messages", "invalid_value"),

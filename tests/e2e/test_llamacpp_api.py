@@ -66,7 +66,7 @@ def test_router_props_without_a_model(server: Server) -> None:
     assert props["max_instances"] == 1 and props["models_autoload"] is True
     assert props["model_alias"] == "llama-server" and props["model_path"] == "none"
     assert props["default_generation_settings"] == {"params": {}, "n_ctx": 0}
-    assert props["build_info"].startswith("roundhouse")
+    assert props["build_info"].startswith("b") and props["build_info"].endswith("-roundhouse")
 
 
 def test_text_endpoints_never_load_a_model(server: Server, tiny_qwen3_dir: Path) -> None:
@@ -256,7 +256,7 @@ def test_sampler_controls_at_neutral_values(server: Server) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("mirostat", 2), ("dry_multiplier", 0.8), ("typical_p", 0.5), ("xtc_probability", 0.5),
-    ("top_n_sigma", 1.0), ("n_probs", 3), ("logit_bias", [[15043, -1.0]]), ("n_indent", 4),
+    ("top_n_sigma", 1.0), ("n_probs", 3), ("n_indent", 4),
     ("t_max_predict_ms", 100), ("lora", [{"id": 0, "scale": 0.5}]), ("dynatemp_range", 0.5),
     ("samplers", ["temperature", "top_k"]),
 ])

@@ -97,17 +97,23 @@ def test_a_request_is_counted_token_for_token(server: Server) -> None:
 
 def test_counters_advance_during_a_long_generation(server: Server) -> None:
     complete(server, "qwen3-tiny")  # loaded before the clock starts
+    advancing = ("llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total",
+                 "llamacpp:n_decode_total", "llamacpp:kv_cache_tokens")
     with held_stream(server, "qwen3-tiny") as stream:
         first = scrape(server, "qwen3-tiny")
-        time.sleep(0.3)
-        second = scrape(server, "qwen3-tiny")
+        scrapes = [first]
+
+        def advanced() -> bool:
+            scrapes.append(scrape(server, "qwen3-tiny"))
+            return all(scrapes[-1].get(name, model="qwen3-tiny") > first.get(name, model="qwen3-tiny")
+                       for name in advancing)
+
+        wait_until(advanced, 10, "the counters to advance", server)
+        second = scrapes[-1]
         # Still running at the second scrape: the counts are not the totals of
         # a finished request.
         assert second.get("llamacpp:requests_processing", model="qwen3-tiny") == 1
         assert next(line for line in stream.iter_lines() if line.startswith(b"data: ")) != b"data: [DONE]"
-    for name in ("llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total",
-                 "llamacpp:n_decode_total", "llamacpp:kv_cache_tokens"):
-        assert second.get(name, model="qwen3-tiny") > first.get(name, model="qwen3-tiny"), name
     assert first.get("llamacpp:requests_processing", model="qwen3-tiny") == 1
     assert 0 < second.get("llamacpp:kv_cache_usage_ratio", model="qwen3-tiny") <= 1
     assert second.get("roundhouse:requests_in_flight", model="qwen3-tiny") == 1
@@ -154,7 +160,7 @@ def test_lifecycle_transitions_are_counted(server: Server) -> None:
     model = "qwen2-tiny"
     server.post("/models/unload", json={"model": model})
     before = scrape(server, model)
-    assert server.post("/models/load", json={"model": model}).json() == {"success": True}
+    assert server.post("/models/load?wait=1", json={"model": model}).json() == {"success": True}
     assert server.post("/models/sleep", json={"model": model}).json() == {"success": True}
     assert complete(server, model).status_code == 200  # wakes it
     assert server.post("/models/unload", json={"model": model}).json() == {"success": True}
@@ -203,3 +209,12 @@ def test_scrapes_are_cheap_and_never_touch_an_engine(server: Server) -> None:
         scrape(server)
     assert time.monotonic() - started < 5
     assert server.load()["qwen3-tiny"]["state"] == "unloaded"
+
+
+def test_a_scrape_says_when_the_process_started(server: Server) -> None:
+    """llama-server's Process-Start-Time-Unix header: a scraper sees a restart
+    (counters back at zero) when it changes."""
+    before = int(time.time())
+    first = server.get("/metrics").headers["Process-Start-Time-Unix"]
+    assert first == server.get("/metrics").headers["Process-Start-Time-Unix"]
+    assert before - 600 < int(first) <= before

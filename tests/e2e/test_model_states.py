@@ -42,7 +42,9 @@ def test_load_sleep_wake_unload(server: Server) -> None:
     unload_all(server)
     watcher = SseWatcher(server.url + "/models/sse")
     try:
-        assert server.post("/models/load", json={"model": "qwen3-tiny"}).json() == {"success": True}
+        # ?wait=1: answer once loaded (without it, once the load has started).
+        assert server.post("/models/load", params={"wait": "1"},
+                           json={"model": "qwen3-tiny"}).json() == {"success": True}
         first = pid(server, "qwen3-tiny")
         loaded = card(server, "qwen3-tiny")
         assert loaded["status"]["value"] == "loaded"
@@ -125,8 +127,8 @@ def test_polling_never_wakes_or_loads(server: Server) -> None:
         server.get("/v1/load")
         # A GET names its model with ?model=, aliases and all, without loading it.
         (one,) = server.get("/v1/load", params={"model": "qwen2-tiny"}).json()["models"]
-        assert {k: one[k] for k in ("id", "state", "in_flight")} == {
-            "id": "qwen2-tiny", "state": "unloaded", "in_flight": 0}
+        assert {k: one[k] for k in ("model", "state", "in_flight")} == {
+            "model": "qwen2-tiny", "state": "unloaded", "in_flight": 0}
         assert "capacity" not in one
     assert {m["status"]["value"] for m in server.get("/models").json()["data"]} == {"unloaded"}
     assert server.get("/v1/load", params={"model": "nope"}).status_code == 404

@@ -66,7 +66,8 @@ def test_load_on_startup_and_precedence(server: Server) -> None:
     complete(server, "qwen2-tiny")
     assert card(server, "qwen2-tiny")["meta"]["n_ctx"] == 1024  # [*]
     assert card(server, "extra-llama")["meta"]["n_ctx"] == 1024
-    lanes = {m["id"]: m["capacity"]["lanes"] for m in server.get("/v1/load").json()["models"] if "capacity" in m}
+    lanes = {m["model"]: m["capacity"]["max_concurrency"]
+             for m in server.get("/v1/load").json()["models"] if "capacity" in m}
     assert lanes == {"qwen3-tiny": 4, "qwen2-tiny": 4, "extra-llama": 4}
 
 

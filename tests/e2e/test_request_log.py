@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import requests
 
-from router.observability.json_schema import errors
 from router.observability.logging_setup import LINE_PATTERN
-from router.observability.request_log_schema import EVENT_SCHEMAS
+from tests.support.json_schema import errors
+from tests.support.request_log_schema import EVENT_SCHEMAS
 from tests.support.scripted_models import ENGINE_ENV, QWEN3_SCRIPT, scripted_model
 from tests.support.server import running_server, wait_until
 

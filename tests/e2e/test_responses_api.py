@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby, pairwise
 from pathlib import Path
 
@@ -261,6 +262,52 @@ def test_get_delete_and_input_items(client: openai.OpenAI) -> None:
         client.responses.retrieve(reply.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(reply.id)
+
+
+def test_deleting_the_parent_mid_stream_fails_the_continuation(server: Server) -> None:
+    parent = requests.post(server.url + "/v1/responses", json={"model": MODEL, "input": "Say hello"},
+                           timeout=60).json()["id"]
+    body = {"model": MODEL, "input": "Write the long report", "previous_response_id": parent,
+            "stream": True}
+    events = []
+    with requests.post(server.url + "/v1/responses", json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines(decode_unicode=True)
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                if events[-1]["type"] == "response.output_text.delta":
+                    break
+        # The report takes seconds to write: the DELETE lands mid-generation.
+        deleted = requests.delete(f"{server.url}/v1/responses/{parent}", timeout=10)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        events += [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    failed = events[-1]
+    assert failed["type"] == "response.failed", [e["type"] for e in events[-3:]]
+    assert parent in failed["response"]["error"]["message"]
+    assert "deleted" in failed["response"]["error"]["message"]
+    # Nothing was stored that continues the deleted response, and the engine
+    # request was aborted rather than written to the end.
+    child = failed["response"]["id"]
+    assert requests.get(f"{server.url}/v1/responses/{child}", timeout=10).status_code == 404
+    assert sum(e["type"] == "response.output_text.delta" for e in events) < 300
+    wait_until(lambda: server.load()[MODEL]["in_flight"] == 0, 2, "the request to end", server)
+
+
+def test_deleting_the_parent_fails_a_whole_continuation(server: Server) -> None:
+    parent = requests.post(server.url + "/v1/responses", json={"model": MODEL, "input": "Say hello"},
+                           timeout=60).json()["id"]
+    body = {"model": MODEL, "input": "Write the long report", "previous_response_id": parent}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(requests.post, server.url + "/v1/responses", json=body, timeout=60)
+        # In flight means its conversation is pinned and it is generating.
+        wait_until(lambda: server.load()[MODEL]["in_flight"] == 1, 10, "the continuation to run", server)
+        assert requests.delete(f"{server.url}/v1/responses/{parent}", timeout=10).status_code == 200
+        reply = answer.result()
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "previous_response_id" and error["code"] == "previous_response_not_found"
+    assert requests.get(f"{server.url}/v1/responses/{parent}", timeout=10).status_code == 404
 
 
 def test_store_false_is_not_kept(client: openai.OpenAI) -> None:

@@ -84,8 +84,10 @@ def test_idle_timers_sleep_then_unload(tmp_path: Path, tiny_qwen3_dir: Path) -> 
 
 
 def test_sigterm_ends_requests_stops_engines_and_exits_zero(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    with running_server([str(tiny_qwen3_dir), "--threads", "1"], tmp_path / "router.log") as server:
-        body = {"prompt": "hello", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    # A stream that would run for minutes outlives a 1 s grace (tests/e2e/test_shutdown_drain.py).
+    args = [str(tiny_qwen3_dir), "--threads", "1", "--shutdown-grace-seconds", "1"]
+    with running_server(args, tmp_path / "router.log") as server:
+        body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         stream = requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=60)
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith(b"data: "))
@@ -93,7 +95,7 @@ def test_sigterm_ends_requests_stops_engines_and_exits_zero(tmp_path: Path, tiny
         server.process.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith(b"data: ")]
         errors = [json.loads(line[6:]) for line in rest if line.startswith(b'data: {"error"')]
-        assert errors and errors[0]["error"]["code"] == "engine_failed"
+        assert errors and errors[0]["error"]["code"] == "shutting_down"
         assert rest[-1] == b"data: [DONE]"
         assert server.process.wait(30) == 0
         wait_until(lambda: not alive(engine), 10, "the engine to stop")

@@ -22,6 +22,13 @@ def make_engine(model: Path, **options: object) -> tuple[EngineCore, list[p.Engi
     return core, events
 
 
+def make_engine_and_ready(model: Path, **options: object) -> tuple[p.Ready, EngineCore]:
+    """The engine's handshake (what it reports holding) and the engine."""
+    launch = p.EngineOptions(**options)  # type: ignore[arg-type]
+    core, ready = build_engine(model, launch, lambda fraction, message: None, lambda event: None)
+    return ready, core
+
+
 def run_to_completion(core: EngineCore, events: list[p.EngineEvent],
                       requests: Mapping[str, tuple[list[int], p.SamplingParams]]) -> list[p.EngineEvent]:
     """Submit the requests and step until the scheduler is idle, checking its

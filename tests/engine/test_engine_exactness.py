@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -151,11 +152,13 @@ def test_bad_requests_get_errors_and_the_engine_goes_on(tiny_qwen3_dir: Path) ->
     core.handle(p.Generate("long", list(range(10, 80)), greedy()))
     core.handle(p.Generate("vocab", [10, 10**7], greedy()))
     core.handle(p.Generate("empty", [], greedy()))
+    core.handle(p.Generate("bias", [10, 11], msgspec.structs.replace(greedy(), logit_bias={10**7: 1.0})))
     errors = {e.request_id: e.code for e in events if isinstance(e, p.RequestError)}
     assert errors == {
         "long": p.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         "vocab": p.ErrorCode.INVALID_REQUEST,
         "empty": p.ErrorCode.INVALID_REQUEST,
+        "bias": p.ErrorCode.INVALID_REQUEST,
     }
     assert run(core, events, {"ok": ([10, 11, 12], greedy(3))})["ok"]
 

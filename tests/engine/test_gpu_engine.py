@@ -313,7 +313,7 @@ def test_automatic_kv_sizing_leaves_the_headroom_and_never_runs_out(
         tiny_qwen3_gpu: Path, caplog: pytest.LogCaptureFixture) -> None:
     headroom = 2048 * 2**20
     with caplog.at_level(logging.INFO):
-        core, events = _engine(tiny_qwen3_gpu, kv_capacity_tokens=0, kv_headroom_mib=2048,
+        core, events = _engine(tiny_qwen3_gpu, kv_capacity_tokens=-1, kv_headroom_mib=2048,
                                max_concurrency=64, max_batched_tokens=2048, max_context=8192)
     assert any("device memory ledger" in r.getMessage() for r in caplog.records)
     free, _ = torch.cuda.mem_get_info()
@@ -326,6 +326,27 @@ def test_automatic_kv_sizing_leaves_the_headroom_and_never_runs_out(
     assert all(len(t) == 24 for t in tokens.values())
     free_after, _ = torch.cuda.mem_get_info()
     assert free_after >= headroom
+    _release(core)
+
+
+def test_a_grant_bounds_what_the_engine_holds(tiny_qwen3_gpu: Path) -> None:
+    """The router's planner grants a model device_memory_mib: by default its
+    KV pool holds what its lanes can use; told to fill (-1), it takes the
+    grant less the weights, activations and graphs, and never more."""
+    need, first = in_process.make_engine_and_ready(
+        tiny_qwen3_gpu, device="cuda", dtype="bfloat16", max_concurrency=8,
+        max_batched_tokens=256, max_context=2048, device_memory_mib=1024)
+    assert need.kv.num_pages * need.kv.page_size == 8 * 2048
+    assert need.memory.kv_bytes == 8 * 2048 * need.kv.bytes_per_token
+    _release(first)
+    before = torch.cuda.memory_allocated()
+    fill, core = in_process.make_engine_and_ready(
+        tiny_qwen3_gpu, device="cuda", dtype="bfloat16", max_concurrency=8,
+        max_batched_tokens=256, max_context=2048, device_memory_mib=1024, kv_capacity_tokens=-1)
+    held = torch.cuda.memory_allocated() - before
+    assert fill.memory.kv_bytes > 512 * 2**20
+    assert fill.memory.footprint_bytes <= 1024 * 2**20
+    assert held <= 1024 * 2**20, held
     _release(core)
 
 

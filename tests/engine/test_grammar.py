@@ -180,7 +180,7 @@ def test_grammar_vocab_of_gguf_tokenizers(smollm2_gguf: Path) -> None:
 
 
 def test_masks_never_allow_padded_rows_or_special_tokens(vocab: p.GrammarVocab) -> None:
-    grammar = EngineGrammar(151936, [IM_END], torch.device("cpu"))
+    grammar = EngineGrammar(151936, torch.device("cpu"))
     grammar.set_vocab(vocab)
     free_text = {"type": "structural_tag", "format": {"type": "any_text"}}
     grammar.admit("r", p.GrammarSpec("structural_tag", json.dumps(free_text)))
@@ -222,7 +222,7 @@ def test_compiled_grammars_are_cached_by_kind_and_source(vocab, monkeypatch) -> 
     from engine import grammar_compiler
 
     monkeypatch.setattr(grammar_compiler, "CACHE_ENTRIES", 2)
-    compiler = grammar_compiler.GrammarCompiler(vocab, vocab_size=151936, stop_token_ids=[IM_END])
+    compiler = grammar_compiler.GrammarCompiler(vocab, vocab_size=151936)
     digits, letters = p.GrammarSpec("regex", "[0-9]+"), p.GrammarSpec("regex", "[a-z]+")
     first = compiler.compile(digits)
     assert compiler.compile(p.GrammarSpec("regex", "[0-9]+")) is first
@@ -337,7 +337,7 @@ def test_a_grammar_that_does_not_compile_is_a_request_error(engine, text, prompt
     results = run(core, events, {"bad": (prompt, params(p.GrammarSpec(kind, source))),  # type: ignore[arg-type]
                                  "good": (prompt, params(p.GrammarSpec("regex", "ok")))})
     error = results["bad"].error
-    assert error is not None and error.code == p.ErrorCode.INVALID_REQUEST
+    assert error is not None and error.code == p.ErrorCode.INVALID_GRAMMAR
     assert says in error.message and "/project/cpp" not in error.message, error.message
     assert not results["bad"].tokens
     assert results["good"].finish_reason == "stop" and decode(text, results["good"]) == "ok"
@@ -360,7 +360,7 @@ def test_a_grammar_the_vocabulary_cannot_finish_fails_its_request_only(tiny_qwen
     # grammar needs a "c" that no token gives.
     tokens = [""] * TOKENIZER_VOCAB
     tokens[64] = "a"
-    core.handle(p.GrammarVocab(tokens, "raw"))
+    core.handle(p.GrammarVocab(tokens, "raw", [IM_END]))
     results = run(core, events, {"stuck": (prompt, params(p.GrammarSpec("ebnf", 'root ::= "a" "c"'))),
                                  "plain": (prompt, params(max_tokens=5, ignore_eos=True))})
     stuck = results["stuck"]

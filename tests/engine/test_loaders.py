@@ -155,7 +155,6 @@ def test_smollm2_gguf_config(smollm2) -> None:
     assert config.tie_word_embeddings and not config.attention_bias and not config.qk_norm
     assert config.max_position_embeddings == 8192
     assert config.rms_norm_eps == pytest.approx(1e-5)
-    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
     assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
@@ -333,7 +332,6 @@ def test_transformers4_llama31_config() -> None:
     config = ModelConfig.from_hf_config(_LLAMA31)
     assert config.rope_theta == 500000.0 and config.head_dim == 128
     assert config.rope_scaling == {**_LLAMA31["rope_scaling"]}
-    assert config.eos_token_ids == (128001, 128008, 128009)
     assert not config.tie_word_embeddings and (config.q_size, config.kv_size) == (4096, 1024)
 
 
@@ -353,16 +351,9 @@ def test_transformers5_rope_parameters_and_sliding_window() -> None:
     assert config.max_position_embeddings == 4096, (
         "served up to the window, where attention is exact"
     )
-    assert config.eos_token_ids == (2,)
 
 
 def test_unsupported_rope_scaling_is_rejected() -> None:
     yarn = {**_LLAMA31, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_hf_config(yarn)
-
-
-def test_generation_config_adds_end_of_turn_ids(tiny_model_factory, tmp_path: Path) -> None:
-    target = _hf_copy(tiny_model_factory("qwen3"), tmp_path / "gen")
-    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
-    assert open_checkpoint(target).config.eos_token_ids == (151645, 151643)

@@ -82,3 +82,14 @@ def test_a_penalty_window_looks_only_at_the_last_tokens() -> None:
     windowed = seq(tokens=(0,), temperature=0.0, presence_penalty=0.5, penalty_last_n=4)
     assert sampler.sample(logits.clone(), [windowed]) == [1]
     assert sampler.sample(logits.clone(), [seq(tokens=(0,), temperature=0.0, presence_penalty=0.5)]) == [0]
+
+
+def test_logit_bias_moves_and_bans_tokens() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[2.0, 1.0, 0.5]])
+    assert sampler.sample(logits.clone(), [seq(temperature=0.0, logit_bias={2: 5.0})]) == [2]
+    assert sampler.sample(logits.clone(), [seq(temperature=0.0, logit_bias={0: float("-inf")})]) == [1]
+    # A sampled row never draws a banned token.
+    rows = [seq(f"r{i}", temperature=1.0, logit_bias={0: float("-inf"), 1: float("-inf")})
+            for i in range(50)]
+    assert set(sampler.sample(logits.repeat(50, 1), rows)) == {2}

@@ -25,12 +25,15 @@ def make_scheduler(
     window: int = 8,
 ) -> Scheduler:
     kv = KVManager(BlockPool(num_pages, page_size), kv_fingerprint("fake"), window, max_context)
-    return Scheduler(kv, max_concurrency=lanes, max_batched_tokens=budget,
-                     max_context=max_context, stop_token_ids=[EOS])
+    return Scheduler(kv, max_concurrency=lanes, max_batched_tokens=budget, max_context=max_context)
 
 
 def seq(request_id: str, prompt: list[int], max_tokens: int = 8, ignore_eos: bool = True) -> Sequence:
-    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+    # As the router builds them: the model's end token is one of the stop
+    # tokens unless ignore_eos.
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            stop_token_ids=[] if ignore_eos else [EOS])
+    return Sequence(request_id, prompt, params)
 
 
 def fake_tokens(out: SchedulerOutput, rng: random.Random, eos_rate: float = 0.0) -> list[int]:
@@ -145,7 +148,7 @@ def test_abort_frees_pages_in_either_queue() -> None:
     assert sched.kv.pool.num_free == sched.kv.pool.num_pages
 
 
-def test_eos_stops_unless_ignored() -> None:
+def test_only_the_stop_tokens_sent_stop() -> None:
     sched = make_scheduler()
     stops = seq("stops", [1, 2], max_tokens=10, ignore_eos=False)
     ignores = seq("ignores", [1, 2], max_tokens=10, ignore_eos=True)
@@ -154,6 +157,7 @@ def test_eos_stops_unless_ignored() -> None:
     out = sched.schedule()
     sched.update(out, [EOS, EOS])
     assert stops.finish_reason == "stop"
+    # The engine has no end-of-sequence list of its own to stop on.
     assert ignores.finish_reason is None
 
 

@@ -193,3 +193,32 @@ def test_weight_stash_round_trip(tiny_qwen3_dir: Path) -> None:
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
     assert model.lm_head is model.embed_tokens
+
+
+def test_disk_wake_refuses_a_same_size_rewrite_with_its_times_put_back(
+        tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    # A real copy of the weights (the test rewrites them), the rest linked.
+    model = tmp_path / "model"
+    model.mkdir()
+    for source in tiny_qwen3_dir.iterdir():
+        if source.suffix == ".safetensors":
+            (model / source.name).write_bytes(source.read_bytes())
+        else:
+            (model / source.name).symlink_to(source)
+    (weights,) = model.glob("*.safetensors")
+    core, events = make_engine(model)
+    run(core, events, "a", prompt(7))
+    core.handle(p.Sleep(weights="disk"))
+    before = weights.stat()
+    # Other bytes of the same length at the end of the tensor data (still a
+    # valid file), then the old times put back: size and mtime say "same".
+    with open(weights, "r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        tail = f.read(64)
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(b ^ 0x5A for b in tail))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(RuntimeError, match="changed while the engine slept"):
+        core.handle(p.Wake())

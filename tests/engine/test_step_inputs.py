@@ -101,7 +101,7 @@ def test_no_step_is_launched_ahead_past_the_context_or_after_a_prefill() -> None
 def test_gpu_kv_plan_takes_the_budget_or_refuses_what_does_not_fit() -> None:
     common = dict(page_size=16, bytes_per_token=1000, trained_context=40960, requested_context=0,
                   max_concurrency=8)
-    auto = plan_kv(**common, requested_capacity=0, device_budget_bytes=100_000_000)
+    auto = plan_kv(**common, requested_capacity=-1, device_budget_bytes=100_000_000)
     assert auto.num_pages == 100_000_000 // 16_000 and auto.max_context == 40960
     small = plan_kv(**common, requested_capacity=0, device_budget_bytes=16_000 * 100)
     assert small.capacity_tokens == 1600 and small.max_context == 1600

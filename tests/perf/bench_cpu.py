@@ -2,6 +2,11 @@
 Face transformers in one run, and the router's added latency per request.
 
     .venv/bin/python tests/perf/bench_cpu.py [--threads N] [--json out.json]
+    .venv/bin/python tests/perf/bench_cpu.py --smoke     # seconds: tiny model, one round
+
+--smoke checks that the benchmark still runs (tests/test_perf_smoke.py runs
+it): a tiny random Qwen3 instead of SmolLM2, short prompts, one round, one
+stream; its figures mean nothing.
 
 1. Prefill: time to first token of one 512-token prompt, as tokens/s.
 2. Decode: 128 greedy tokens after a short prompt at batch 1 (and batch 8 for
@@ -36,6 +41,13 @@ from router.default_model import ensure_default_model  # noqa: E402
 
 PREFILL_TOKENS = 512
 DECODE_TOKENS = 128
+BATCH = 8
+CONCURRENCY = (1, 32)
+
+
+def smoke_sizes() -> None:
+    global PREFILL_TOKENS, DECODE_TOKENS, BATCH, CONCURRENCY
+    PREFILL_TOKENS, DECODE_TOKENS, BATCH, CONCURRENCY = 16, 4, 2, (1,)
 
 
 def engine_core(model: Path, threads: int):  # type: ignore[no-untyped-def]
@@ -87,11 +99,14 @@ def bench_engines(model_path: Path, threads: int, rounds: int) -> dict[str, floa
 
     gen = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(100, 49000, (PREFILL_TOKENS,), generator=gen).tolist()
-    short_prompts = [torch.randint(100, 49000, (16,), generator=gen).tolist() for _ in range(8)]
+    short_prompts = [torch.randint(100, 49000, (16,), generator=gen).tolist() for _ in range(BATCH)]
 
     core, events = engine_core(model_path, threads)
-    hf = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                              dtype=torch.float32).eval()
+    if model_path.is_dir():
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                  dtype=torch.float32).eval()
     results: dict[str, list[float]] = {}
 
     def record(name: str, value: float) -> None:
@@ -109,21 +124,24 @@ def bench_engines(model_path: Path, threads: int, rounds: int) -> dict[str, floa
         _, rest = hf_run(hf, short_prompts[0], DECODE_TOKENS)
         record("hf_decode_b1_tok_s", (DECODE_TOKENS - 1) / rest)
         _, rest = roundhouse_run(core, events, short_prompts, DECODE_TOKENS)
-        record("roundhouse_decode_b8_tok_s", 8 * (DECODE_TOKENS - 1) / rest)
+        record(f"roundhouse_decode_b{BATCH}_tok_s", BATCH * (DECODE_TOKENS - 1) / rest)
     return {name: statistics.median(values) for name, values in results.items()}
 
 
 async def engine_ttft(model_path: Path, prompt: list[int], concurrency: int, rounds: int,
                       threads: int) -> float:
     """Median time to first token straight over ZeroMQ, no HTTP."""
+    import dataclasses
     import tempfile
 
     from router.catalog import entry_for_path
     from router.supervisor import EngineProcess
 
+    entry = entry_for_path(model_path)
+    options = p.EngineOptions(threads=threads, max_concurrency=32)
+    entry = dataclasses.replace(entry, settings=dataclasses.replace(entry.settings, engine=options))
     with tempfile.TemporaryDirectory() as run_dir:
-        engine = EngineProcess(entry_for_path(model_path), p.EngineOptions(threads=threads, max_concurrency=32),
-                               Path(run_dir), 0)
+        engine = EngineProcess(entry, Path(run_dir), 0)
         await engine.start(300, lambda event: None)
         params = p.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         samples: list[float] = []
@@ -179,7 +197,7 @@ def bench_router(model_path: Path, threads: int, rounds: int) -> dict[str, float
     text = ModelText.load(model_path)
     prompt = text.encode_prompt(text.render_chat([{"role": "user", "content": question}]))
     results: dict[str, float] = {}
-    for concurrency in (1, 32):
+    for concurrency in CONCURRENCY:
         engine = asyncio.run(engine_ttft(model_path, prompt, concurrency, rounds, threads))
         with running_server([str(model_path), "--threads", str(threads), "--max-concurrency", "32"],
                             Path("/tmp/roundhouse-bench-router.log")) as server:
@@ -195,8 +213,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", type=Path, help="a GGUF file or HF directory (default: SmolLM2)")
+    parser.add_argument("--smoke", action="store_true", help="a seconds-long run that only checks "
+                        "the benchmark works: tiny random model, one round")
     args = parser.parse_args()
-    model_path = ensure_default_model()
+    if args.smoke:
+        import tempfile
+
+        from tests.support.tiny_models import build_tiny_model
+
+        smoke_sizes()
+        args.rounds = 1
+        args.threads = min(args.threads, 2)
+        scratch = tempfile.TemporaryDirectory()  # removed when main returns
+        model_path = args.model or build_tiny_model("qwen3", Path(scratch.name) / "tiny-qwen3")
+    else:
+        model_path = args.model or ensure_default_model()
     report: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

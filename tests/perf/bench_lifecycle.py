@@ -3,6 +3,7 @@ router's HTTP API, with the weights kept in host memory and read from disk.
 
     python tests/perf/bench_lifecycle.py --shape 0.6b --device cuda [--json out.json]
     python tests/perf/bench_lifecycle.py --shape tiny --device cpu     # a quick check
+    python tests/perf/bench_lifecycle.py --smoke    # the quickest: tiny, cpu, 1 round, disk
 
 It writes a random-weight Qwen3 at real shapes (bfloat16 safetensors, the real
 Qwen3 tokenizer) into a temporary models directory, then for each weights mode
@@ -111,7 +112,8 @@ def write_model(shape: str, target: Path, init_device: str) -> int:
 
 def timed(server: Server, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     started = time.perf_counter()
-    response = server.post(path, json=body)
+    # ?wait=1: /models/load answers once the model is loaded, not when it starts.
+    response = server.post(path, params={"wait": "1"}, json=body)
     seconds = time.perf_counter() - started
     if response.status_code != 200:
         raise RuntimeError(f"POST {path} answered {response.status_code}: {response.text}\n"
@@ -201,7 +203,11 @@ def main() -> None:
     parser.add_argument("--weights", default="host,disk", help="modes to measure, comma separated")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the model and logs")
+    parser.add_argument("--smoke", action="store_true", help="only check that it runs (seconds): "
+                        "tiny shape on the CPU, one round, weights from disk")
     args = parser.parse_args()
+    if args.smoke:
+        args.shape, args.device, args.rounds, args.weights, args.kv_capacity = "tiny", "cpu", 1, "disk", 4096
 
     work = Path(tempfile.mkdtemp(prefix="roundhouse-lifecycle-"))
     try:

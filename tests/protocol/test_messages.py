@@ -25,7 +25,7 @@ def test_commands_roundtrip_through_the_tagged_union() -> None:
 
 
 def test_events_roundtrip_through_the_tagged_union() -> None:
-    facts = p.ModelFacts("LlamaForCausalLM", 100, 2048, 64, 2, 4, 2, 1000, 4000, "float32", "cpu", [2])
+    facts = p.ModelFacts("LlamaForCausalLM", 100, 2048, 64, 2, 4, 2, 1000, 4000, "float32", "cpu")
     kv = p.KvFacts(16, 10, 160, 8, 512, 1024)
     for message in [
         p.LoadProgress(0.5, "layer 3"),

@@ -135,6 +135,31 @@ def test_a_key_file_others_can_read_or_write_refuses_startup(tmp_path: Path, mod
     assert str(keys) in str(caught.value) and "sk-alice" not in str(caught.value)
 
 
+def test_a_key_file_owned_by_another_user_refuses_startup_and_closes_on_reload(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As OpenSSH asks of authorized_keys: the server's user or root owns it."""
+    keys = write_keys(tmp_path / "keys", "alice: sk-alice\n")
+    other = 65534 if os.geteuid() != 65534 else 65533
+    if os.geteuid() == 0:
+        os.chown(keys, other, -1)
+    else:
+        # Not root: the file is ours; pretend to be someone else instead.
+        monkeypatch.setattr(auth.os, "geteuid", lambda: other)
+        other = os.getuid()
+    with pytest.raises(AuthConfigError, match=f"owned by uid {other}, neither the user the "
+                                              "server runs as .* nor root; chown it") as caught:
+        KeyStore.from_config(config(api_key_file=keys))
+    assert "sk-alice" not in str(caught.value)
+    monkeypatch.undo()
+    if os.geteuid() == 0:
+        os.chown(keys, 0, -1)
+        store = KeyStore.from_config(config(api_key_file=keys))
+        assert store.authenticate("sk-alice") == "file-alice"
+        os.chown(keys, other, -1)
+        store.reload()
+        assert store.closed and store.authenticate("sk-alice") is None
+
+
 def test_a_missing_or_invalid_key_file_refuses_startup(tmp_path: Path) -> None:
     with pytest.raises(AuthConfigError, match="cannot open it"):
         KeyStore.from_config(config(api_key_file=tmp_path / "absent"))

@@ -303,10 +303,10 @@ def test_the_example_preset_builds(tmp_path: Path) -> None:
     catalog = router(models_dir, presets / "router-example.ini")
     assert list(catalog.entries) == ["other", "qwen3-8b", "smollm2-135m"]
     qwen = settings(catalog, "qwen3-8b")
-    assert (qwen.engine.device, qwen.engine.max_context, qwen.load_on_startup) == ("cuda", 32768, True)
+    assert (qwen.device, qwen.engine.max_context, qwen.load_on_startup) == ("cuda", 32768, True)
     assert (qwen.model_suspend, qwen.suspend_weights) == (True, "host")
     smol = settings(catalog, "smollm2-135m")
-    assert (smol.engine.device, smol.sampling.temperature, smol.model_suspend) == ("cpu", 0.0, False)
+    assert (smol.device, smol.sampling.temperature, smol.model_suspend) == ("cpu", 0.0, False)
     assert catalog.find("smol") is catalog.entries["smollm2-135m"]
     other = settings(catalog, "other")
     assert (other.engine.max_concurrency, other.load_on_startup) == (16, False)

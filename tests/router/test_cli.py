@@ -169,3 +169,63 @@ def test_main_serves_the_default_model_it_fetched(tmp_path: Path, monkeypatch: p
 
 def test_the_module_keeps_its_entry_point() -> None:
     assert callable(cli.main)
+
+
+# ---- connections, CORS, Host, environment keys (docs/security.md, docs/serving.md) ----
+
+
+def test_connection_and_browser_options() -> None:
+    config = parse("--models-dir", "/m")
+    assert (config.http_header_timeout_ms, config.http_body_timeout_ms,
+            config.http_keepalive_timeout_ms, config.max_connections) == (10_000, 60_000, 15_000, 1024)
+    assert (config.cors_origins, config.allowed_hosts, config.cors) == ((), (), False)
+    config = parse("--models-dir", "/m", "--http-header-timeout-ms", "500",
+                   "--http-body-timeout-ms", "700", "--http-keepalive-timeout-ms", "900",
+                   "--max-connections", "3", "--allowed-host", "Box.Example.",
+                   "--allowed-host", "[::1]", "--cors-origins",
+                   "https://App.Example.com/, http://localhost:3000")
+    assert (config.http_header_timeout_ms, config.http_body_timeout_ms,
+            config.http_keepalive_timeout_ms, config.max_connections) == (500, 700, 900, 3)
+    assert config.allowed_hosts == ("box.example", "::1")
+    assert config.cors_origins == ("https://app.example.com", "http://localhost:3000")
+    # --cors is every origin, whatever the list says.
+    assert parse("--models-dir", "/m", "--cors").cors_origins == ("*",)
+    assert parse("--models-dir", "/m", "--cors", "--cors-origins", "https://a.example").cors
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--allowed-host", "box.example:8080"], "argument --allowed-host: --allowed-host "
+                                             "'box.example:8080': give the host without a port"),
+    (["--allowed-host", "a b"], "argument --allowed-host: --allowed-host 'a b': not a host"),
+    (["--cors-origins", "app.example.com"], "argument --cors-origins: --cors-origins: "
+                                            "'app.example.com' is not an origin"),
+    (["--cors-origins", "https://a.example/path"], "argument --cors-origins: --cors-origins: "
+                                                   "'https://a.example/path' is not an origin"),
+    (["--cors-origins", ","], "argument --cors-origins: --cors-origins: give at least one"),
+    (["--http-header-timeout-ms", "0"], "--http-header-timeout-ms must be 1 or more"),
+    (["--max-connections", "0"], "--max-connections must be 1 or more"),
+])
+def test_bad_connection_and_browser_options(args: list[str], message: str) -> None:
+    with pytest.raises(CommandLineError) as caught:
+        parse("--models-dir", "/m", *args)
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("value", ["", " ", ",,", "sk-a,", "sk-a,,sk-b"])
+def test_an_environment_key_that_is_empty_refuses_startup(
+        value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As `--api-key ''` is refused: a typo must not start a server without keys."""
+    monkeypatch.setenv("ROUNDHOUSE_API_KEY", value)
+    with pytest.raises(CommandLineError, match="ROUNDHOUSE_API_KEY"):
+        parse("--models-dir", "/m")
+    assert main(["serve", "--models-dir", "/m"]) == 1
+    err = capsys.readouterr().err
+    assert "roundhouse: error: $ROUNDHOUSE_API_KEY" in err
+    assert ("holds no key" in err) if not value.strip(", ") else ("is empty" in err)
+
+
+def test_environment_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROUNDHOUSE_API_KEY", " sk-a , sk-b")
+    assert parse("--models-dir", "/m").api_keys_env == ("sk-a", "sk-b")
+    monkeypatch.delenv("ROUNDHOUSE_API_KEY")
+    assert parse("--models-dir", "/m").api_keys_env == ()

@@ -50,7 +50,7 @@ class FakeEngine:
         facts = ModelFacts("LlamaForCausalLM", 10, 64, 8, 1, 1, 1, 0, 0, "float32", "cpu")
         return Ready(PROTOCOL_VERSION, self.pid, facts, KvFacts(16, 8, 64, 4, 64, 0), 0.01)
 
-    async def stop(self, reason: str = "") -> None:
+    async def stop(self, reason: str = "", code: str = "engine_failed") -> None:
         self.stopping = True
         if not self.exited.done():
             self.exited.set_result(0)
@@ -137,7 +137,7 @@ def test_llamacpp_series_come_from_the_engines_latest_stats() -> None:
         assert {name: types.get(name) for name in LLAMACPP_TYPES} == LLAMACPP_TYPES
         expected = {
             "llamacpp:prompt_tokens_total": 100, "llamacpp:prompt_seconds_total": 0.5,
-            "llamacpp:tokens_predicted_total": 40, "llamacpp:tokens_predicted_seconds_total": 2.0,
+            "llamacpp:prompt_tokens_cached_total": 50, "llamacpp:tokens_predicted_total": 40, "llamacpp:tokens_predicted_seconds_total": 2.0,
             "llamacpp:prompt_tokens_seconds": 200.0, "llamacpp:predicted_tokens_seconds": 20.0,
             "llamacpp:n_decode_total": 20, "llamacpp:n_busy_slots_per_decode": 2.5,
             "llamacpp:kv_cache_usage_ratio": 0.25, "llamacpp:kv_cache_tokens": 27,
@@ -268,6 +268,25 @@ def test_a_single_model_server_counts_every_request_as_its_models() -> None:
         assert value(samples, "roundhouse:requests_total", model="solo", outcome="rejected") == 1
         assert value(samples, "roundhouse:requests_rejected_total", model="solo",
                      reason="http_400") == 1
+
+    run(scenario, "solo", single=True)
+
+
+def test_a_single_model_server_serves_llamacpp_series_without_a_model_label() -> None:
+    """As llama-server does: dashboards built for it query llamacpp:* bare."""
+    async def scenario(manager: ModelManager, metrics: ServerMetrics) -> None:
+        await manager.load(manager.slots["solo"])
+        FakeEngine.started[0].client.stats = EngineStats(
+            prompt_tokens_total=30, cached_tokens_total=12, generated_tokens_total=7)
+        for model in (None, "solo"):
+            samples, types = scrape(metrics, model)
+            assert {name: types.get(name) for name in LLAMACPP_TYPES} == LLAMACPP_TYPES
+            assert value(samples, "llamacpp:tokens_predicted_total") == 7
+            assert value(samples, "llamacpp:prompt_tokens_cached_total") == 12
+            assert not any(name.startswith("llamacpp:") and labels
+                           for name, labels in samples)
+            # Roundhouse's own series keep theirs.
+            assert value(samples, "roundhouse:prompt_tokens_cached_total", model="solo") == 12
 
     run(scenario, "solo", single=True)
 

@@ -25,8 +25,9 @@ from router.settings import ModelSettings, SamplingOverrides
 
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
-    "kv-headroom-mib cuda-graph output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
-    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout"
+    "prefix-cache-tokens device-memory-mib kv-headroom-mib cuda-graph output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
+    "chat-template chat-template-file chat-template-kwargs "
+    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags"
 ).split()
 
 
@@ -50,6 +51,7 @@ def test_preset_only_options_are_alias_and_load_on_startup() -> None:
 def test_defaults_come_from_model_settings() -> None:
     assert BY_NAME["max-concurrency"].default == 8
     assert BY_NAME["kv-capacity"].default == 0
+    assert BY_NAME["device"].default == "auto"
     assert BY_NAME["temp"].default is None
     assert BY_NAME["suspend-weights"].default == "disk"
     assert BY_NAME["stop-timeout"].default == 10.0
@@ -71,8 +73,10 @@ def test_no_per_model_option_is_a_router_option() -> None:
         ("min-p", "0.05", 0.05),
         ("device", "cuda:1", "cuda:1"),
         ("device", "1", "cuda:1"),
-        ("kv-capacity", "auto", 0),
-        ("kv-capacity", "AUTO", 0),
+        ("device", "auto", "auto"),
+        ("kv-capacity", "auto", -1),
+        ("kv-capacity", "AUTO", -1),
+        ("kv-capacity", "0", 0),
         ("kv-capacity", "131072", 131072),
         ("kv-headroom-mib", "2048", 2048),
         ("cuda-graph", "off", False),
@@ -101,8 +105,16 @@ def test_values_parse(name: str, text: str, value: object) -> None:
         ("top-p", "0", "must be in (0.0, 1.0], got '0'"),
         ("load-timeout", "0", "must be > 0.0, got '0'"),
         ("sleep-idle-seconds", "-5", "must be >= 0.0, got '-5'"),
-        ("seed", str(2**64), f"must be in 0..{2**64 - 1}, got {2**64}"),
-        ("device", "gpu", "must be cpu, cuda, cuda:N or a GPU index N, got 'gpu'"),
+        ("seed", str(2**64), f"must be in -1..{2**64 - 1}, got {2**64}"),
+        ("seed", "-2", f"must be in -1..{2**64 - 1}, got -2"),
+        ("chat-template-kwargs", "{nope", "expected a JSON object, got '{nope' (Expecting property "
+         "name enclosed in double quotes: line 1 column 2 (char 1))"),
+        ("chat-template-kwargs", "[1]", "expected a JSON object, got '[1]'"),
+        ("chat-template-kwargs", '{"tools": []}',
+         "may not set 'tools': the server sets it from each request"),
+        ("chat-template", "/no/such/template.jinja", "cannot read the chat template "
+         "'/no/such/template.jinja': [Errno 2] No such file or directory: '/no/such/template.jinja'"),
+        ("device", "gpu", "must be auto, cpu, cuda, cuda:N or a GPU index N, got 'gpu'"),
         ("kv-capacity", "lots", "expected an integer, got 'lots'"),
         ("kv-headroom-mib", "-1", "must be >= 0, got -1"),
         ("dtype", "int8", "must be one of auto, float32, bfloat16, float16, got 'int8'"),
@@ -165,10 +177,11 @@ def test_every_option_lands_in_its_field() -> None:
         "load-on-startup": True, "alias": ("a", "b"),
     }])
     assert settings == ModelSettings(
-        engine=EngineOptions(device="cuda:1", dtype="bfloat16", page_size=32, max_concurrency=4,
+        device="cuda:1",
+        engine=EngineOptions(dtype="bfloat16", page_size=32, max_concurrency=4,
                              max_batched_tokens=1024, max_context=8192, kv_capacity_tokens=65536,
-                             output_window=128, threads=2, seed=7),
-        sampling=SamplingOverrides(temperature=0.6, top_k=20, top_p=0.9, min_p=0.01),
+                             output_window=128, threads=2),
+        sampling=SamplingOverrides(temperature=0.6, top_k=20, top_p=0.9, min_p=0.01, seed=7),
         model_suspend=True, suspend_weights="host", sleep_idle_seconds=60.0,
         unload_idle_seconds=600.0, load_timeout=30.0, stop_timeout=3.0,
         load_on_startup=True, aliases=("a", "b"),
@@ -214,3 +227,22 @@ def test_docs_list_every_option_with_its_default() -> None:
     assert {name: rows.get(name) for name in BY_NAME} == {
         option.name: _documented_default(option.default) for option in OPTIONS
     }
+
+
+def test_chat_template_options_on_the_command_line(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = parser().parse_args(["--chat-template", str(template), "--chat-template-kwargs",
+                                '{"enable_thinking": false}', "--seed", "-1"])
+    given = given_options(args)
+    assert given == {"chat-template": template.read_text(),
+                     "chat-template-kwargs": '{"enable_thinking": false}', "seed": -1}
+    settings = resolve_settings([given])
+    assert settings.chat_template == template.read_text()
+    assert settings.chat_template_kwargs == '{"enable_thinking": false}'
+    assert settings.sampling.seed == -1
+    with pytest.raises(argparse.ArgumentError, match="expected a JSON object"):
+        parser().parse_args(["--chat-template-kwargs", "enable_thinking=false"])
+    template.write_text("{% if %}")
+    with pytest.raises(argparse.ArgumentError, match="does not compile"):
+        parser().parse_args(["--chat-template", str(template)])

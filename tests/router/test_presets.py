@@ -3,6 +3,7 @@ everything it refuses."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,10 @@ def test_a_relative_preset_path_still_gives_absolute_model_paths(
         ("[a]\nversion = 1\n", 2, "'version' goes at the top of the file, before any section"),
         ("[*]\nmax-ctx = 4096\n", 2, "unknown option 'max-ctx' (did you mean 'max-context'?)"),
         ("[*]\nctx-size = 4096\n", 2, "unknown option 'ctx-size' (did you mean 'max-context'?)"),
-        ("[*]\nn-gpu-layers = 99\n", 2, "unknown option 'n-gpu-layers'"),
+        ("[*]\nn-gpu-layerz = 99\n", 2, "unknown option 'n-gpu-layerz' (did you mean "
+         "'n-gpu-layers', a llama.cpp option Roundhouse ignores?)"),
+        ("[*]\nhf-rep = a/b\n", 2, "unknown option 'hf-rep' (did you mean 'hf-repo', a llama.cpp "
+         "option Roundhouse ignores?)"),
         ("[*]\n--temp = 0.5\n", 2, "malformed key '--temp'; write 'temp', without dashes"),
         ("[*]\nmax context = 5\n", 2, "malformed key 'max context'"),
         ("[*]\n= 5\n", 2, "malformed key ''"),
@@ -174,3 +178,37 @@ def test_load_preset_reads_the_file(tmp_path: Path) -> None:
 def test_the_shipped_example_presets_parse(example: Path) -> None:
     preset = load_preset(example)
     assert preset.sections
+
+
+def test_llama_cpp_options_roundhouse_does_not_use_are_accepted_with_one_warning(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    path = tmp_path / "models.ini"
+    path.write_text("[*]\nn-gpu-layers = 99\nflash-attn = on\n[coder]\nmodel = c.gguf\n"
+                    "hf-repo = org/model:Q4_K_M\nspec-draft-hf = org/draft\ndedup-cache-models = true\n"
+                    "temp = 0.5\n")
+    with caplog.at_level(logging.WARNING, logger="router.presets"):
+        preset = load_preset(path)
+    assert preset.section("coder").values() == {"temp": 0.5}
+    assert preset.global_options == {}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"preset {path}: ignoring llama.cpp options Roundhouse does not use: n-gpu-layers (line 2), "
+        "flash-attn (line 3), hf-repo (line 6), spec-draft-hf (line 7), dedup-cache-models (line 8)"
+    ]
+
+
+def test_chat_template_paths_are_relative_to_the_preset(tmp_path: Path) -> None:
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    path = tmp_path / "models.ini"
+    path.write_text("[a]\nmodel = a.gguf\nchat-template = t.jinja\n"
+                    "chat-template-kwargs = {\"enable_thinking\": false}\n")
+    values = load_preset(path).section("a").values()
+    assert values == {"chat-template": "{{ messages[0]['content'] }}",
+                      "chat-template-kwargs": '{"enable_thinking": false}'}
+    path.write_text("[a]\nmodel = a.gguf\nchat-template = missing.jinja\n")
+    with pytest.raises(PresetError, match="option 'chat-template': cannot read the chat template"):
+        load_preset(path)
+    path.write_text("[a]\nmodel = a.gguf\nchat-template = {% for %}\n")
+    with pytest.raises(PresetError, match=r"models\.ini:3: option 'chat-template': the chat "
+                       r"template does not compile"):
+        load_preset(path)

@@ -25,14 +25,14 @@ from protocol import EngineStats, KvFacts, ModelFacts, Ready
 from router.catalog import Catalog, CatalogEntry, build_catalog
 from router.config import ServeConfig
 from router.lifecycle.slot import ModelState
-from router.observability.json_schema import errors
 from router.observability.jsonl_writer import JsonlWriter
 from router.observability.log_lines import RequestLogLines, ThroughputLines
 from router.observability.logging_setup import LINE_PATTERN, line_formatter
 from router.observability.records import RequestRecord
 from router.observability.request_log import RequestLog, redact_argv
-from router.observability.request_log_schema import EVENT_SCHEMAS
 from router.observability.throughput import ModelThroughput, ThroughputMeter
+from tests.support.json_schema import errors
+from tests.support.request_log_schema import EVENT_SCHEMAS
 from tests.support.scripted_models import ENGINE_ENV, QWEN3_SCRIPT, scripted_model
 from tests.support.server import free_port
 
@@ -211,6 +211,7 @@ def every_event(path: Path) -> list[dict[str, Any]]:
                        ["roundhouse", "serve"])
     log.model_event("qwen3", "load", 3.2)
     log.model_event("qwen3", "sleep", 0.4)
+    log.model_evicted("qwen3", "unload", "device_memory", "llama", "cuda:0")
     ok = generated()
     log.request_started(ok)
     log.request_admitted(ok)
@@ -364,7 +365,8 @@ def test_throughput_counts_each_engine_from_its_own_start() -> None:
 # ---- a real router in this process: nothing of the prompt anywhere ----------------------
 
 
-async def serve_and_ask(config: ServeConfig, requests: list[dict[str, Any]]) -> None:
+async def serve_and_ask(config: ServeConfig, requests: list[dict[str, Any]],
+                        settled: Callable[[], bool]) -> None:
     from router.app import create_app
     from router.lifecycle import ModelManager
     from router.observability.operator_logs import OperatorLogs
@@ -382,7 +384,10 @@ async def serve_and_ask(config: ServeConfig, requests: list[dict[str, Any]]) -> 
             for body in requests:
                 async with session.post(url + "/v1/chat/completions", json=body) as response:
                     await response.read()
-            await asyncio.sleep(0.3)  # a throughput report or two
+            for _ in range(500):  # until a throughput report came (5 s at most)
+                if settled():
+                    break
+                await asyncio.sleep(0.01)
     finally:
         await runner.cleanup()
         await logs.close(0)
@@ -405,7 +410,7 @@ def test_no_prompt_or_output_text_reaches_either_log(
         {"model": "qwen3-scripted", "messages": say, "stream": True},
         {"model": "qwen3-scripted", "messages": say, "max_tokens": "many"},
         {"model": f"{MARKER}-model", "messages": say},
-    ]))
+    ], lambda: any(r.getMessage().startswith("throughput qwen3-scripted:") for r in caplog.records)))
     events = read_events(tmp_path / "r.jsonl")
     assert [e["event"] for e in events if e["event"].startswith("request_")] == [
         "request_start", "request_done", "request_start", "request_done",

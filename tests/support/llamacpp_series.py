@@ -4,6 +4,7 @@ Roundhouse /metrics must export under the same names."""
 LLAMACPP_TYPES = {
     "llamacpp:prompt_tokens_total": "counter",
     "llamacpp:prompt_seconds_total": "counter",
+    "llamacpp:prompt_tokens_cached_total": "counter",
     "llamacpp:tokens_predicted_total": "counter",
     "llamacpp:tokens_predicted_seconds_total": "counter",
     "llamacpp:prompt_tokens_seconds": "gauge",

@@ -16,6 +16,9 @@ For each request the prompt is decoded, and the rule whose `when` text occurs
 latest in it wins (so the newest turn of a conversation decides). The reply is
 tokenized with the model's own tokenizer and produced one token per step,
 followed by the end-of-sequence token; max_tokens cuts it with "length".
+A rule may add `"first_token_after": SECONDS`: its first token comes that
+late (a long prefill, as a client sees it). `"step_seconds"` at the top
+slows every step (default 0.005), for tests that act mid-stream.
 """
 
 from __future__ import annotations
@@ -65,11 +68,17 @@ PROGRESS_CHUNK = 8
 class Script:
     rules: list[tuple[str, str]]
     default: str
+    # reply -> seconds before its first token
+    delays: dict[str, float] = field(default_factory=dict)
+    step_seconds: float = STEP_SECONDS
 
     @classmethod
     def load(cls, path: Path) -> Script:
         data = json.loads(path.read_text())
-        return cls([(r["when"], r["reply"]) for r in data.get("rules", [])], data.get("default", ""))
+        rules = data.get("rules", [])
+        delays = {r["reply"]: float(r["first_token_after"]) for r in rules if "first_token_after" in r}
+        return cls([(r["when"], r["reply"]) for r in rules], data.get("default", ""), delays,
+                   float(data.get("step_seconds", STEP_SECONDS)))
 
     def reply_for(self, prompt: str) -> str:
         best, best_at = self.default, -1
@@ -88,6 +97,8 @@ class Running:
     progress: list[int] = field(default_factory=list)
     # Prompt tokens "computed" so far (the progress reports, else all at once).
     computed: int = 0
+    # time.monotonic() before which no token comes
+    not_before: float = 0.0
 
 
 class ScriptedEngine:
@@ -111,7 +122,6 @@ class ScriptedEngine:
             n_embd=int(config["hidden_size"]), n_layer=int(config["num_hidden_layers"]),
             n_head=int(config["num_attention_heads"]), n_head_kv=int(config["num_key_value_heads"]),
             n_params=0, size_bytes=0, dtype="float32", device="cpu",
-            eos_token_ids=list(self.text.eos_token_ids),
         )
 
     def emit(self, event: object) -> None:
@@ -161,8 +171,9 @@ class ScriptedEngine:
                                    f"the context is {self.context}"))
             return
         prompt = self.text.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
-        reply = [*self.text.tokenizer.encode(self.script.reply_for(prompt)), self.eos]
-        job = Running(request, reply)
+        text = self.script.reply_for(prompt)
+        reply = [*self.text.tokenizer.encode(text), self.eos]
+        job = Running(request, reply, not_before=time.monotonic() + self.script.delays.get(text, 0.0))
         if request.params.report_progress:
             total = len(request.prompt_token_ids)
             job.progress = [*range(PROGRESS_CHUNK, total, PROGRESS_CHUNK), total]
@@ -173,7 +184,10 @@ class ScriptedEngine:
         outputs = []
         busy = len(self.running)
         prefill = 0
+        now = time.monotonic()
         for request_id, job in list(self.running.items()):
+            if job.not_before > now:
+                continue
             prompt = len(job.request.prompt_token_ids)
             if job.progress:
                 done = job.progress.pop(0)
@@ -248,7 +262,8 @@ def main() -> int:
     while True:
         if args.parent_pid and os.getppid() != args.parent_pid:
             return 1
-        waited = STEP_SECONDS if engine.running else 0.5
+        step = engine.script.step_seconds
+        waited = step if engine.running else 0.5
         if poller.poll(int(waited * 1000)):
             while inbox.poll(0):
                 if not engine.handle(decode(inbox.recv())):
@@ -256,7 +271,7 @@ def main() -> int:
                     return 0
         if engine.running:
             engine.tick()
-            time.sleep(STEP_SECONDS)
+            time.sleep(step)
 
 
 if __name__ == "__main__":

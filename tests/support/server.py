@@ -42,7 +42,9 @@ class Server:
         return requests.post(self.url + path, timeout=300, **kwargs)  # type: ignore[arg-type]
 
     def load(self) -> dict[str, dict]:
-        return {m["id"]: m for m in self.get("/v1/load").json()["models"]}
+        """/v1/load by model; a single-model server answers with its one object."""
+        body = self.get("/v1/load").json()
+        return {m["model"]: m for m in body.get("models", [body])}
 
 
 def wait_until(predicate, timeout: float, what: str, server: Server | None = None) -> None:  # type: ignore[no-untyped-def]

@@ -59,8 +59,25 @@ def test_forced_calls_get_a_grammar_that_lets_the_model_think_first(manager: Tex
     assert tag["elements"][1]["begin"].startswith('<tool_call>\n{"name": "get_weather"')
     quiet = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice="required", enable_thinking=False,
                                          parallel_tool_calls=False))
+    # Thinking off: the wrapper is in the prompt, the grammar takes the rest
+    # of one call and then only the end of the turn.
+    # One tool to call: "required" names it.
+    assert quiet.opener == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert quiet.prompt.endswith('</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ')
     tag = json.loads(_grammar(quiet).source)["format"]  # type: ignore[union-attr]
-    assert tag["type"] == "triggered_tags" and tag["at_least_one"] and tag["stop_after_first"]
+    assert tag["type"] == "tag" and tag["begin"] == ""
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    two = prepare(manager, ChatRequest(HI, tools=[TOOL, other], tool_choice="required",
+                                       enable_thinking=False, parallel_tool_calls=False))
+    assert two.opener == '<tool_call>\n{"name": "'
+    tag = json.loads(_grammar(two).source)["format"]  # type: ignore[union-attr]
+    assert tag["type"] == "or"
+    assert [t["begin"] for t in tag["elements"]] == ['get_weather", "arguments": ',
+                                                     'get_time", "arguments": ']
+    named_quiet = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice=NamedTool("get_weather"),
+                                               enable_thinking=False))
+    assert named_quiet.prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert json.loads(_grammar(named_quiet).source)["format"]["begin"] == ""  # type: ignore[union-attr]
 
 
 def test_a_prefill_is_continued_not_closed(manager: TextOnly) -> None:

@@ -65,7 +65,7 @@ def test_settings_that_change_nothing_are_accepted(fields: dict[str, object]) ->
     ({"dry_multiplier": 0.5, "dry_base": 0.5}, "dry_multiplier"),
     ({"xtc_probability": 0.5, "xtc_threshold": 0.2}, "xtc_probability"),
     ({"dynatemp_range": 0.5, "dynatemp_exponent": 2}, "dynatemp_range"),
-    ({"logit_bias": {"15043": False}}, "logit_bias"), ({"min_keep": 5}, "min_keep"),
+    ({"logit_bias": [["Hello", 1.0]]}, "logit_bias"), ({"min_keep": 5}, "min_keep"),
     ({"n_cmpl": 2}, "n_cmpl"), ({"n": 3}, "n"), ({"grammar_lazy": True}, "grammar_lazy"),
     ({"adaptive_target": 0.5}, "adaptive_target"),
 ])
@@ -89,3 +89,12 @@ def test_sampler_chain() -> None:
         with pytest.raises(RouterError) as refused:
             sampler_chain(chain)
         assert refused.value.code == code
+
+
+def test_logit_bias_takes_effect() -> None:
+    for value in ({"15043": False, "7": 2.5, "9": 0}, [[15043, False], [7, 2.5], [9, 0]]):
+        biases = completion_settings(request(logit_bias=value)).sampling.logit_bias
+        assert biases == {15043: float("-inf"), 7: 2.5}
+    with pytest.raises(RouterError) as refused:
+        completion_settings(request(logit_bias=[[7, "up"]]))
+    assert refused.value.param == "logit_bias"

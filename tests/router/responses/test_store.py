@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from router.responses.store import MissingResponse, ResponseStore, stored
+from router.responses.store import ChainBroken, MissingResponse, ResponseStore, stored
 
 
 def record(response_id: str, text: str = "hi", previous: str | None = None):  # type: ignore[no-untyped-def]
@@ -76,3 +76,41 @@ def test_a_missing_ancestor_is_named() -> None:
     with pytest.raises(MissingResponse) as missing:
         store.conversation("b")
     assert missing.value.response_id == "a"
+
+
+def test_a_running_continuation_keeps_its_chain_from_eviction() -> None:
+    store = ResponseStore(max_records=2, max_bytes=1 << 20)
+    store.put(record("a"))
+    store.put(record("b", previous="a"))
+    with store.pinned("b") as pin:
+        store.put(record("other"))  # would evict a, the least recently used
+        assert "a" in store and "b" in store
+        pin.check()
+        store.put(record("c", previous="b"))  # the continuation's own record
+        # The unpinned record went instead, though more recently used.
+        assert all(name in store for name in "abc") and "other" not in store
+    # Unpinned, the store is brought back within its bounds.
+    assert len(store) == 2 and "c" in store
+
+
+def test_deleting_a_record_of_a_running_continuation_breaks_it() -> None:
+    store = ResponseStore(max_records=10, max_bytes=1 << 20)
+    store.put(record("a"))
+    store.put(record("b", previous="a"))
+    with store.pinned("b") as pin:
+        assert store.delete("a")  # a DELETE is honoured at once
+        with pytest.raises(ChainBroken) as broken:
+            pin.check()
+    assert broken.value.param == "previous_response_id"
+    assert broken.value.code == "previous_response_not_found"
+    assert "'a'" in broken.value.message
+    assert "a" not in store
+
+
+def test_a_new_conversation_pins_nothing() -> None:
+    store = ResponseStore(max_records=1, max_bytes=1 << 20)
+    with store.pinned(None) as pin:
+        store.put(record("a"))
+        store.put(record("b"))
+        pin.check()
+    assert "a" not in store and "b" in store

@@ -172,3 +172,30 @@ def test_router_text_imports_nothing_heavy(smollm2_gguf: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[3], check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_long_conversations_render_off_the_event_loop(qwen3_tokenizer_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import threading
+
+    from router.text.chat_template import ChatTemplate
+
+    model = ModelText.load(qwen3_tokenizer_dir)
+    threads: list[str] = []
+    render = ChatTemplate.render
+
+    def recording(self: ChatTemplate, *args: object, **kwargs: object) -> str:
+        threads.append(threading.current_thread().name)
+        return render(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ChatTemplate, "render", recording)
+    short = [{"role": "user", "content": "hi"}]
+    long = [{"role": "user", "content": "word " * 10_000}]
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(201)]
+    for messages in (short, long, many):
+        prompt = asyncio.run(model.render_chat_async(messages))
+        assert prompt == render(model.template, messages, **model.special_tokens)
+    main = threading.current_thread().name
+    assert threads[0] == main  # a short chat is not worth a thread hop
+    assert threads[1].startswith("roundhouse-text") and threads[2].startswith("roundhouse-text")

@@ -116,3 +116,56 @@ def test_random_streams_match_the_reference(seed: int) -> None:
             held = fed[len(out):]
             assert fed.startswith(out)
             assert held == "" or any(s.startswith(held) and s != held for s in stops)
+
+
+def test_a_long_stop_costs_memory_linear_in_its_length() -> None:
+    # Every prefix of a 20,000-character stop would take 200 MB; the KMP
+    # table takes 80 KB.
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher(["y" * 20_000 + "z"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000
+    assert matcher.feed("y" * 30_000) == ("y" * 10_000, None)
+    assert matcher.feed("z!") == ("", "y" * 20_000 + "z")
+
+
+def test_matching_long_stops_over_long_text_is_fast() -> None:
+    # The most (16) and longest (1,000 characters) stops a request may bring,
+    # over text that keeps almost completing them and then breaks off.
+    import time
+
+    from router.text.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    stops = [chr(0x61 + i) * (MAX_STOP_CHARS - 1) + "!" for i in range(MAX_STOP_STRINGS - 1)]
+    stops.append("ab" * (MAX_STOP_CHARS // 2))
+    text = ("a" * (MAX_STOP_CHARS - 1) + "?" + "ab" * 400 + "b") * 60
+    matcher = StopStringMatcher(stops)
+    started = time.perf_counter()
+    out = [matcher.feed(text[i:i + 7])[0] for i in range(0, len(text), 7)]
+    elapsed = time.perf_counter() - started
+    assert "".join(out) + matcher.flush() == text
+    assert elapsed < 5.0, f"{len(text)} characters took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(("stops", "fragment"), [
+    (["x"] * 17, "at most 16 strings"),
+    (["ok", "y" * 1001], "at most 1000 characters"),
+])
+def test_check_stops_refuses_too_many_or_too_long(stops: list[str], fragment: str) -> None:
+    from router.errors import InvalidRequest
+    from router.text.stop_strings import check_stops
+
+    with pytest.raises(InvalidRequest) as caught:
+        check_stops(stops, "stop_sequences")
+    assert caught.value.param == "stop_sequences" and fragment in caught.value.message
+
+
+def test_check_stops_keeps_the_non_empty_ones() -> None:
+    from router.text.stop_strings import check_stops
+
+    assert check_stops(["", "a", "y" * 1000], "stop") == ("a", "y" * 1000)

@@ -133,3 +133,20 @@ def test_encode_async_equals_encode(qwen3_text: ModelText) -> None:
         return await qwen3_text.tokenizer.encode_async(text)
 
     assert asyncio.run(both()) == qwen3_text.tokenizer.encode(text)
+
+
+def test_ids_no_vocabulary_has_decode_to_nothing(qwen3_text: ModelText) -> None:
+    # The backend takes 32-bit ids; bigger or negative ones used to raise OverflowError.
+    hello = qwen3_text.tokenizer.encode("Hello")
+    assert qwen3_text.tokenizer.decode([-1, *hello, 2**40, 2**63]) == "Hello"
+
+
+def test_long_texts_encode_and_decode_off_the_loop_to_the_same_ids(qwen3_text: ModelText) -> None:
+    import asyncio
+
+    tok = qwen3_text.tokenizer
+    text = "Long text, 長いテキスト 🙂 <|im_start|> and 12345.\n" * 2000
+    ids = tok.encode(text, add_special_tokens=True)
+    assert asyncio.run(tok.encode_async(text, add_special_tokens=True)) == ids
+    assert len(ids) > 4096  # decoded with decode_batch, which lets go of the GIL
+    assert tok.decode(ids, skip_special_tokens=False) == tok.backend.decode(ids, skip_special_tokens=False)

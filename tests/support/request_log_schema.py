@@ -1,6 +1,7 @@
 """The request log's schema (--request-log-jsonl): one JSON Schema per event
 type, as data. docs/observability.md shows the same schemas; the tests check
-every event the log writes against them (router/observability/json_schema.py).
+every event the log writes against them (tests/support/json_schema.py). Only
+tests read it: the router writes events and SCHEMA_VERSION, nothing more.
 
 Objects are closed (additionalProperties: false) where we own every field,
 so a field that could carry prompt or output text cannot slip in unnoticed.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 1
+from router.observability.request_log import SCHEMA_VERSION
 
 _TS = {"type": "string", "pattern": r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$",
        "description": "when the event happened: ISO 8601, UTC, milliseconds"}
@@ -39,7 +40,11 @@ def _closed(fields: dict[str, Any]) -> dict[str, Any]:
 
 _REQUEST = {
     "request_id": {"type": "string", "pattern": "^req-",
-                   "description": "the router's id of the request"},
+                   "description": "the router's id of the request (unique); the response's "
+                                  "x-request-id unless the client sent its own"},
+    "client_request_id": {**_TEXT_OR_NULL,
+                          "description": "the client's X-Request-Id, which the response "
+                                         "echoed; null when it sent none or an invalid one"},
     "method": {"type": "string"},
     "route": {"type": "string", "description": "the path, without the query"},
     "api": {"enum": ["openai", "anthropic", "llamacpp"],
@@ -139,6 +144,14 @@ EVENT_SCHEMAS: dict[str, dict[str, Any]] = {
         "kind": {"enum": ["wake", "sleep", "unload", "fail"]},
         "seconds": {**_SECONDS, "description": "how long the transition took (0: not measured)"},
     }, "another lifecycle transition of a model"),
+    "model_evicted": _event("model_evicted", {
+        "model": {"type": "string"},
+        "action": {"enum": ["sleep", "unload"]},
+        "reason": {"enum": ["device_memory", "models_max"],
+                   "description": "what was short: a GPU's memory, or seats under --models-max"},
+        "for_model": {"type": "string", "description": "the model the room was made for"},
+        "device": {**_TEXT_OR_NULL, "description": "the evicted model's device (cuda:N, cpu)"},
+    }, "a model was put to sleep or unloaded to make room for another"),
     "request_start": _event("request_start", {
         **_REQUEST,
         "queue_seconds": {**_SECONDS, "description": "arrival to admission (a load or wake waits here)"},

@@ -1,0 +1,277 @@
+"""How much device memory a model will hold before it has ever loaded: the
+planner's estimate (router/lifecycle/seats.py), from the checkpoint's headers
+alone (no torch, no tensor data read).
+
+- Weights: every tensor's element count (safetensors JSON headers, GGUF
+  tensor infos) times the serving dtype's size, since the engine holds all
+  of them in that dtype (quantized GGUF tensors are dequantized at load),
+  plus the rotary table the decoder keeps for the trained context.
+- KV: 2 (K and V) x layers x KV heads x head size x dtype bytes per token,
+  times the tokens the pool will hold (engine/kv_sizing.py's rule: lanes x
+  context + prefix-cache tokens, or the explicit capacity), in whole pages.
+- Activations, CUDA graphs and workspaces: an allowance that errs high, as
+  the engine measures the real peaks only once loaded.
+- On a GPU, the CUDA context every engine process creates.
+
+After a model's first load the planner uses what its engine reported
+(Ready.memory) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol import EngineOptions
+
+MIB = 2**20
+GIB = 2**30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# The allowance for one step's intermediates: per token of the largest step,
+# this many copies of the widest rows (hidden states, q/k/v, the MLP's
+# gate/up) alive at once. The engine's measured peak is about half of it.
+ACTIVATION_COPIES = 4
+# Logits are float32; the sampler keeps a few same-sized temporaries per
+# sampled row (probabilities, masks, the kernel's histograms).
+LOGIT_COPIES = 4
+# Allocator rounding, the decode attention's split-K workspace and the CUDA
+# graphs' pool slack (engine/gpu_memory.py sets aside 64 MiB for the last).
+FIXED_SLACK_BYTES = 256 * MIB
+# What a CUDA context (torch's, plus cuBLAS's workspaces and CuPy's modules)
+# costs each engine process on the device, outside anything it reports.
+CUDA_CONTEXT_BYTES = 768 * MIB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts the estimate needs, read from config.json or GGUF metadata."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    trained_context: int
+    # Elements of every tensor in the checkpoint.
+    weight_elements: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A model's planned device memory by kind (bytes)."""
+
+    weights_bytes: int
+    kv_bytes: int
+    # Activations of the largest step, CUDA graphs, workspaces (an allowance).
+    activation_bytes: int
+    # The engine process's CUDA context (0 on the CPU).
+    runtime_bytes: int
+    kv_tokens: int
+    context: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.runtime_bytes
+
+    @property
+    def grant_bytes(self) -> int:
+        """What the engine itself may hold (its device_memory_mib): all but
+        the CUDA context, which it does not count."""
+        return self.total_bytes - self.runtime_bytes
+
+    def describe(self) -> str:
+        return (f"weights {self.weights_bytes / GIB:.2f} GiB, KV {self.kv_bytes / GIB:.2f} GiB "
+                f"({self.kv_tokens} tokens), activations and graphs "
+                f"{self.activation_bytes / GIB:.2f} GiB, CUDA context "
+                f"{self.runtime_bytes / GIB:.2f} GiB")
+
+
+def dtype_bytes(engine: EngineOptions, cuda: bool) -> int:
+    """The serving dtype's size: the dtype option, or bfloat16 on CUDA and
+    float32 on the CPU (engine/bootstrap.py resolve_dtype)."""
+    if engine.dtype == "auto":
+        return 2 if cuda else 4
+    return _DTYPE_BYTES[engine.dtype]
+
+
+def served_context(shape: ModelShape, engine: EngineOptions) -> int:
+    if engine.max_context:
+        return min(engine.max_context, shape.trained_context)
+    return shape.trained_context
+
+
+def planned_kv_tokens(shape: ModelShape, engine: EngineOptions, *, fill: bool = False) -> int:
+    """The tokens the KV pool is planned for, in whole pages. With `fill`
+    (the pool takes all it is given) the least it needs: one full context."""
+    context = served_context(shape, engine)
+    if engine.kv_capacity_tokens > 0:
+        tokens = engine.kv_capacity_tokens
+    elif fill or engine.kv_capacity_tokens < 0:
+        tokens = context
+    else:
+        tokens = engine.max_concurrency * context + engine.prefix_cache_tokens
+    pages = -(-tokens // engine.page_size)
+    return pages * engine.page_size
+
+
+def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
+                       fill: bool = False) -> Footprint:
+    size = dtype_bytes(engine, cuda)
+    rope_elements = shape.trained_context * shape.head_dim
+    weights = (shape.weight_elements + rope_elements) * size
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * size
+    kv_tokens = planned_kv_tokens(shape, engine, fill=fill)
+    activations = 0
+    runtime = 0
+    if cuda:
+        qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+        row = max(shape.hidden, qkv, 2 * shape.intermediate)
+        step = engine.max_batched_tokens * row * size * ACTIVATION_COPIES
+        logits = engine.max_concurrency * shape.vocab * 4 * LOGIT_COPIES
+        # The graphs' pool holds a decode step of every lane: its rows and logits again.
+        graphs = engine.max_concurrency * (row * size * ACTIVATION_COPIES + shape.vocab * 4 * 2)
+        activations = step + logits + graphs + FIXED_SLACK_BYTES
+        runtime = CUDA_CONTEXT_BYTES
+    return Footprint(weights, kv_tokens * per_token, activations, runtime, kv_tokens,
+                     served_context(shape, engine))
+
+
+# ---- reading the checkpoint ---------------------------------------------------------
+
+
+def read_shape(path: Path, format: str) -> ModelShape:
+    """ValueError when the files cannot be read as the format says."""
+    try:
+        if format == "gguf":
+            return _gguf_shape(path)
+        return _hf_shape(path)
+    except (OSError, KeyError, TypeError, struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}'s tensor shapes: {exc!r}") from exc
+
+
+def _hf_shape(directory: Path) -> ModelShape:
+    config = json.loads((directory / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    elements = sum(_safetensors_elements(f) for f in sorted(directory.glob("*.safetensors")))
+    return ModelShape(
+        layers=int(config["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        hidden=hidden,
+        intermediate=int(config.get("intermediate_size") or 4 * hidden),
+        vocab=int(config["vocab_size"]),
+        trained_context=int(config.get("max_position_embeddings") or 2048),
+        weight_elements=elements,
+    )
+
+
+def _safetensors_elements(path: Path) -> int:
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        if length > 100 * MIB:
+            raise ValueError(f"{path}: a {length}-byte safetensors header is not believable")
+        header: dict[str, Any] = json.loads(file.read(length))
+    return sum(math.prod(info["shape"]) for name, info in header.items()
+               if name != "__metadata__")
+
+
+# GGUF value types (gguf's GGUFValueType) and their sizes; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+                 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _GgufReader:
+    """Walks a GGUF header: the key-value section (scalars kept, arrays
+    skipped but counted) and then the tensor infos. Tensor data is never read."""
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf = buf
+        (raw_version,) = struct.unpack_from("<I", buf, 4)
+        # A big-endian file's small version number lands in the high bytes.
+        self.endian = "<" if raw_version & 0xFFFF else ">"
+        self.pos = 8
+
+    def scalar(self, code: str) -> Any:
+        fmt = self.endian + code
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        start, self.pos = self.pos, self.pos + length
+        if self.pos > len(self.buf):
+            raise ValueError("a GGUF string runs past the end of the file")
+        return self.buf[start:self.pos].decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            item = self.scalar("I")
+            count = self.scalar("Q")
+            if item in _GGUF_SCALARS:
+                self.pos += count * struct.calcsize(self.endian + _GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    self.value(item)
+            return count  # only an array's length is kept
+        if vtype in _GGUF_SCALARS:
+            return self.scalar(_GGUF_SCALARS[vtype])
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def _gguf_shape(path: Path) -> ModelShape:
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        reader = _GgufReader(buf)
+        tensors = reader.scalar("Q")
+        pairs = reader.scalar("Q")
+        meta: dict[str, Any] = {}
+        for _ in range(pairs):
+            key = reader.string()
+            meta[key] = reader.value(reader.scalar("I"))
+        elements = 0
+        embedding_rows = 0
+        for _ in range(tensors):
+            name = reader.string()
+            dims = [reader.scalar("Q") for _ in range(reader.scalar("I"))]
+            reader.scalar("I")  # the stored type: the engine dequantizes it anyway
+            reader.scalar("Q")  # the data offset
+            elements += math.prod(dims)
+            if name == "token_embd.weight" and len(dims) == 2:
+                embedding_rows = dims[1]  # GGUF lists dimensions innermost first
+    arch = meta["general.architecture"]
+
+    def arch_value(suffix: str, default: Any = None) -> Any:
+        found = meta.get(f"{arch}.{suffix}", default)
+        if found is None:
+            raise KeyError(f"{arch}.{suffix}")
+        return found
+
+    heads = int(arch_value("attention.head_count"))
+    hidden = int(arch_value("embedding_length"))
+    return ModelShape(
+        layers=int(arch_value("block_count")),
+        heads=heads,
+        kv_heads=int(arch_value("attention.head_count_kv", heads)),
+        head_dim=int(arch_value("attention.key_length", hidden // heads)),
+        hidden=hidden,
+        intermediate=int(arch_value("feed_forward_length", 4 * hidden)),
+        vocab=int(arch_value("vocab_size", embedding_rows or meta.get("tokenizer.ggml.tokens", 0))),
+        trained_context=int(arch_value("context_length", 2048)),
+        weight_elements=elements,
+    )

@@ -1,0 +1,66 @@
+"""The planner's footprint estimate (router/footprint.py) against what the
+CPU engine really allocates (Ready.memory: weights and KV) for tiny models,
+from safetensors headers and from GGUF tensor infos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.bootstrap import build_engine
+from protocol import EngineOptions
+from router.footprint import CUDA_CONTEXT_BYTES, estimate_footprint, read_shape
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def reported(model: Path, options: EngineOptions):
+    _, ready = build_engine(model, options, lambda fraction, message: None, lambda event: None)
+    return ready.memory
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("options", [
+    EngineOptions(),
+    EngineOptions(max_context=512, prefix_cache_tokens=100, max_concurrency=3),
+    EngineOptions(kv_capacity_tokens=3000, page_size=32),
+])
+def test_safetensors_estimate_matches_the_cpu_engine(tiny_model_factory, arch: str,
+                                                     options: EngineOptions) -> None:
+    model = tiny_model_factory(arch)
+    estimate = estimate_footprint(read_shape(model, "hf"), options, cuda=False)
+    memory = reported(model, options)
+    assert (estimate.weights_bytes, estimate.kv_bytes) == (memory.weights_bytes, memory.kv_bytes)
+    assert estimate.activation_bytes == estimate.runtime_bytes == 0
+
+
+def test_gguf_estimate_matches_the_cpu_engine(smollm2_gguf: Path) -> None:
+    # Q4_1 on disk, dequantized to the serving dtype at load.
+    options = EngineOptions(max_context=1024, max_concurrency=2)
+    estimate = estimate_footprint(read_shape(smollm2_gguf, "gguf"), options, cuda=False)
+    memory = reported(smollm2_gguf, options)
+    assert (estimate.weights_bytes, estimate.kv_bytes) == (memory.weights_bytes, memory.kv_bytes)
+    assert estimate.weights_bytes > 4 * smollm2_gguf.stat().st_size  # float32, not Q4_1
+
+
+def test_on_cuda_bfloat16_and_allowances(tiny_model_factory) -> None:
+    shape = read_shape(tiny_model_factory("qwen3"), "hf")
+    cpu = estimate_footprint(shape, EngineOptions(), cuda=False)
+    gpu = estimate_footprint(shape, EngineOptions(), cuda=True)
+    assert gpu.weights_bytes * 2 == cpu.weights_bytes and gpu.kv_bytes * 2 == cpu.kv_bytes
+    assert gpu.runtime_bytes == CUDA_CONTEXT_BYTES and gpu.activation_bytes > 0
+    assert gpu.grant_bytes == gpu.total_bytes - CUDA_CONTEXT_BYTES
+    # kv-capacity auto: the least it runs in is one full context.
+    fill = estimate_footprint(shape, EngineOptions(kv_capacity_tokens=-1), cuda=True)
+    assert fill.kv_tokens == shape.trained_context
+
+
+def test_an_unreadable_checkpoint_says_why(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="tensor shapes"):
+        read_shape(tmp_path, "hf")
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_shape(bad, "gguf")

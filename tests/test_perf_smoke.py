@@ -1,0 +1,61 @@
+"""The benchmarks in tests/perf/ still run (pytest does not collect them).
+
+Each CPU benchmark runs in its --smoke mode (a tiny model, one round, a few
+seconds) as its own process, as a person would run it; its figures are not
+looked at, only that it finishes. The GPU benchmarks and profilers need an
+H200-sized GPU and minutes, so here they are only imported (every name they
+use from the project must still exist); run them on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+PERF = ROOT / "tests" / "perf"
+
+# script -> extra arguments for its smoke run
+CPU_SCRIPTS = {
+    "bench_cpu.py": ["--threads", "2"],
+    "bench_lifecycle.py": [],
+    "bench_models_on_gpu.py": [],
+    "bench_waiting_memory.py": [],
+}
+GPU_ONLY = [
+    "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
+    "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
+    "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
+]
+
+
+def test_every_script_is_smoked_or_imported() -> None:
+    assert {p.name for p in PERF.glob("*.py")} == set(CPU_SCRIPTS) | set(GPU_ONLY)
+
+
+def run(args: list[str], timeout: float) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}" \
+                                 f"\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("script", sorted(CPU_SCRIPTS))
+def test_cpu_benchmark_smoke(script: str, tiny_qwen3_dir: Path) -> None:
+    extra = list(CPU_SCRIPTS[script])
+    if script == "bench_cpu.py":
+        extra += ["--model", str(tiny_qwen3_dir)]  # built once for the session
+    run([str(PERF / script), "--smoke", *extra], timeout=180)
+
+
+def test_gpu_benchmarks_import() -> None:
+    # One process for all of them: torch is imported once.
+    imports = "; ".join(f"import tests.perf.{Path(name).stem}" for name in GPU_ONLY)
+    run(["-c", imports], timeout=120)
