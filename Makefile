@@ -1,6 +1,7 @@
 # The two commands the README opens with:
 #   make serve   create .venv, install Roundhouse, fetch the default model, serve it on 127.0.0.1:8080
 #   make test    create .venv, install Roundhouse with its test tools, fetch fixtures, lint, run the tests
+#                (as root on Debian it also installs the chromium package for the browser tests)
 # Installs are stamped, so a second run installs and fetches nothing.
 
 PYTHON ?= python3
@@ -18,12 +19,12 @@ ARGS ?=
 PYTEST_ARGS ?=
 comma := ,
 
-.PHONY: serve test install install-test fixtures lint
+.PHONY: serve test install install-test fixtures lint browser
 
 serve: $(VENV)/.runtime
 	$(BIN)/roundhouse serve $(ARGS)
 
-test: $(VENV)/.test fixtures lint
+test: $(VENV)/.test fixtures lint browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(VENV)/.runtime
@@ -35,6 +36,15 @@ fixtures: $(VENV)/.test
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
+
+# Debian's chromium for the browser tests (Playwright drives it; it never
+# downloads a browser). The stamp is left only once chromium is there, so a
+# machine that cannot install it is told so on every run.
+browser: $(VENV)/.browser
+
+$(VENV)/.browser: tests/support/install_browser.sh | $(BIN)/python
+	sh tests/support/install_browser.sh
+	@if command -v chromium >/dev/null 2>&1; then touch $@; fi
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -17,7 +17,7 @@ from router.http.metrics_route import attach_metrics
 from router.http.observe import observe_middleware
 from router.http.readiness import readiness_middleware
 from router.http.request_id import add_request_id, request_id_middleware
-from router.http.routes import ROUTES, add_routes
+from router.http.routes import ROUTES, WEBUI_ROUTES, add_routes
 from router.http.token_count_gate import token_count_gate
 from router.lifecycle import ModelManager
 
@@ -62,7 +62,7 @@ def create_app(manager: ModelManager) -> web.Application:
     app[KEY_STORE] = keys
     app[STARTED] = int(time.time())
     attach_metrics(app)
-    add_routes(app, ROUTES)
+    add_routes(app, ROUTES + (WEBUI_ROUTES if config.webui else []))
 
     async def stop_engines(_: web.Application) -> None:
         await manager.close()

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="default: 8080")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default: info")
+    serve.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve the chat and models page at / (default: on; docs/webui.md)")
     serve.add_argument("--response-store-max-records", type=int, default=10_000, metavar="N",
                        help="Responses API responses kept for previous_response_id and GET, "
                             "least recently used dropped first (default: 10000)")
@@ -212,6 +214,7 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             request_log_max_mib=args.request_log_max_mib,
             request_log_keep=args.request_log_keep,
             log_stats_interval_ms=args.log_stats_interval_ms,
+            webui=args.webui,
         )
     except ValueError as exc:
         raise CommandLineError(str(exc)) from None

@@ -83,6 +83,8 @@ class ServeConfig:
     request_log_keep: int = 5
     # The periodic throughput line on stderr; 0 turns it off.
     log_stats_interval_ms: int = 10_000
+    # The web page at / (docs/webui.md); --no-webui turns it off.
+    webui: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and (self.models_dir or self.models_preset):

@@ -309,7 +309,7 @@ ROUTER_OPTIONS = frozenset({
     "max-token-count-requests", "default-max-tokens", "request-log-jsonl", "request-log-max-mib",
     "request-log-keep", "log-stats-interval-ms",
     "cors-origins", "allowed-host", "http-header-timeout-ms", "http-body-timeout-ms",
-    "http-keepalive-timeout-ms", "max-connections",
+    "http-keepalive-timeout-ms", "max-connections", "webui", "no-webui",
 })
 
 

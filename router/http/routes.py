@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from router.anthropic.handlers import count_tokens, create_message
-from router.http import models_api
+from router.http import models_api, webui
 from router.http.metrics_route import serve_metrics
 from router.http.route_info import ROUTE_TABLE, Access, Api, Route
 from router.http.status import health, load, stats
@@ -84,6 +84,13 @@ ROUTES: list[Route] = [
     Route("POST", "/apply-template", apply_template, LCP),
     Route("GET", "/props", get_props, LCP),
     Route("POST", "/props", post_props, LCP),
+]
+
+# The web page (docs/webui.md), left out with --no-webui. Open: the page holds
+# no data, and each API call it makes carries the user's key.
+WEBUI_ROUTES: list[Route] = [
+    Route("GET", "/", webui.index, LCP, Access.OPEN),
+    Route("GET", "/ui/{name}", webui.asset, LCP, Access.OPEN),
 ]
 
 
