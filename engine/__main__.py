@@ -1,5 +1,5 @@
 """`python -m engine ...`: the entry point the router's supervisor starts."""
 
-from engine.main import main
+from engine.process.main import main
 
 raise SystemExit(main())

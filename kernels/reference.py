@@ -233,7 +233,7 @@ def _causal_mask(
 #                              than it, sum(p[z' > z]), is < top_p;
 #   min-p (min_p > 0):         keep exp(z - max z) >= min_p (p >= min_p * max p);
 # the tokens equal to the maximum always survive and -inf never does. These are value
-# thresholds: for distinct values they are exactly engine/sampler.py's rule over the
+# thresholds: for distinct values they are exactly engine/sampling/sampler.py's rule over the
 # sorted order (rank < k; mass before the rank < top_p; p >= min_p * p[0]). They differ
 # only at exact ties straddling a cut, where a value threshold keeps the whole tie group
 # (so top-k can keep more than k tokens) while the sorted order cut it somewhere inside.

@@ -22,7 +22,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_context: int = 0
     # KV pool size in tokens. 0: what the lanes can use (max_concurrency x
     # context, plus prefix_cache_tokens), within the device memory given;
-    # -1: all the device memory given (engine/kv_sizing.py).
+    # -1: all the device memory given (engine/kv/kv_sizing.py).
     kv_capacity_tokens: int = 0
     # KV kept beyond what the lanes can use at once, for the prefix cache.
     prefix_cache_tokens: int = 0

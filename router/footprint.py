@@ -7,7 +7,7 @@ alone (no torch, no tensor data read).
   of them in that dtype (quantized GGUF tensors are dequantized at load),
   plus the rotary table the decoder keeps for the trained context.
 - KV: 2 (K and V) x layers x KV heads x head size x dtype bytes per token,
-  times the tokens the pool will hold (engine/kv_sizing.py's rule: lanes x
+  times the tokens the pool will hold (engine/kv/kv_sizing.py's rule: lanes x
   context + prefix-cache tokens, or the explicit capacity), in whole pages.
 - Activations, CUDA graphs and workspaces: an allowance that errs high, as
   the engine measures the real peaks only once loaded.
@@ -41,7 +41,7 @@ ACTIVATION_COPIES = 4
 # sampled row (probabilities, masks, the kernel's histograms).
 LOGIT_COPIES = 4
 # Allocator rounding, the decode attention's split-K workspace and the CUDA
-# graphs' pool slack (engine/gpu_memory.py sets aside 64 MiB for the last).
+# graphs' pool slack (engine/execution/gpu_memory.py sets aside 64 MiB for the last).
 FIXED_SLACK_BYTES = 256 * MIB
 # What a CUDA context (torch's, plus cuBLAS's workspaces and CuPy's modules)
 # costs each engine process on the device, outside anything it reports.
@@ -96,7 +96,7 @@ class Footprint:
 
 def dtype_bytes(engine: EngineOptions, cuda: bool) -> int:
     """The serving dtype's size: the dtype option, or bfloat16 on CUDA and
-    float32 on the CPU (engine/bootstrap.py resolve_dtype)."""
+    float32 on the CPU (engine/process/bootstrap.py resolve_dtype)."""
     if engine.dtype == "auto":
         return 2 if cuda else 4
     return _DTYPE_BYTES[engine.dtype]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.kv.block_hash import ROOT_HASH, hash_page
 from engine.kv.block_pool import BlockPool
-from engine.sequence import Sequence
+from engine.scheduling.sequence import Sequence
 
 
 class KVManager:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.model_ops import REFERENCE_OPS, ReferenceOps
+from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.model_ops import REFERENCE_OPS, ReferenceOps
 from engine.models.config import ModelConfig
 from kernels.reference import build_rope_cache
 

@@ -8,7 +8,7 @@
 //   top-k: keep z >= the k-th largest z (all tokens tied with it too);
 //   top-p: keep z when the mass of the tokens strictly more likely than z is < top_p;
 //   min-p: keep rel(z) >= min_p; the tokens equal to m always survive; -inf never does.
-// For distinct values this is exactly the sort-order rule of engine/sampler.py; the two
+// For distinct values this is exactly the sort-order rule of engine/sampling/sampler.py; the two
 // differ only where equal values straddle a cut (we keep the whole tie group).
 //
 // Layout: one CTA of 1024 threads per row (grid = N), every pass a coalesced sweep of the

@@ -76,11 +76,19 @@ def answer_format(output_config: dict[str, Any] | None) -> GrammarSpec | None:
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
-def _check_strict_tools(tools: list[dict[str, Any]] | None) -> None:
-    """A tool with strict: true must have a schema the grammar can enforce."""
+def _strict_tools(tools: list[dict[str, Any]] | None) -> frozenset[str]:
+    """The names of the tools with strict: true, whose calls follow their
+    schema (router/chat/tool_grammar.py); such a schema may hold no keyword
+    the grammar would drop."""
+    strict: set[str] = set()
     for index, tool in enumerate(tools or ()):
-        if isinstance(tool, dict) and tool.get("strict") is True:
+        flag = tool.get("strict")
+        if flag is not None and not isinstance(flag, bool):
+            raise refuse(f"tools[{index}].strict", "strict must be a boolean", "invalid_type")
+        if flag:
             check_enforceable(tool.get("input_schema"), f"tools[{index}].input_schema")
+            strict.add(tool["name"])
+    return frozenset(strict)
 
 
 def _sampling(req: MessagesRequest, *, stream: bool) -> SamplingRequest:
@@ -110,7 +118,7 @@ def chat_request(req: ConversationFields, *, sampling: SamplingRequest | None = 
                      "send the tools as custom tools")
     talk = conversation(req.system, req.messages)
     tools = function_tools(req.tools)
-    _check_strict_tools(req.tools)
+    strict = _strict_tools(req.tools)
     choice, parallel = tool_choice(req.tool_choice, tools)
     thinking = thinking or thinking_choice(req.thinking, None)
     return ChatRequest(
@@ -118,6 +126,7 @@ def chat_request(req: ConversationFields, *, sampling: SamplingRequest | None = 
         sampling=sampling or SamplingRequest(),
         tools=tools,
         tool_choice=choice,
+        strict_tools=strict,
         parallel_tool_calls=parallel,
         enable_thinking=thinking.enabled,
         prefill=talk.prefill,

@@ -28,6 +28,9 @@ class ChatRequest:
     # OpenAI function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = "auto"
+    # Names (as the model sees them) of the tools sent with strict: true: a
+    # call of one follows its schema even when the choice leaves calling free.
+    strict_tools: frozenset[str] = frozenset()
     parallel_tool_calls: bool = True
     # None: whatever the template does by default.
     enable_thinking: bool | None = None

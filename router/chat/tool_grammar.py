@@ -1,4 +1,5 @@
-"""Grammars that make a turn's tool calls and JSON answers well-formed.
+"""Grammars that make a turn's tool calls and JSON answers well-formed: forced
+calls, calls of strict tools under tool_choice auto, answer formats.
 
 They are xgrammar structural tags (JSON) built here and enforced by the engine
 (GrammarSpec kind "structural_tag"): the router cannot import xgrammar (it
@@ -10,6 +11,7 @@ Qwen3-Coder (`<tool_call>` + `<function=...>` XML).
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from protocol import GrammarSpec
@@ -29,6 +31,9 @@ _FORMATS = {
     },
 }
 _THINK_TAGS = ["<think>", "</think>"]
+# Every call of both formats starts with it (a strict call's trigger).
+_TRIGGER = "<tool_call>"
+assert all(shape["begin"].startswith(_TRIGGER) for shape in _FORMATS.values())
 
 
 def _schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +112,50 @@ def forced_tool_grammar(
         body: dict[str, Any] = _call_tag(tool_format, tool, opener=opener)
     else:
         body = _calls(tool_format, tools, parallel=parallel, opener=opener)
+    tag = {"type": "structural_tag", "format": _with_thinking(body, thinking)}
+    return GrammarSpec("structural_tag", json.dumps(tag))
+
+
+def _free_call_tag(tool_format: str, tool: dict[str, Any]) -> dict[str, Any]:
+    """A call of a tool without strict: its name and wrapper as the format
+    spells them, its arguments unconstrained up to the end of the call."""
+    shape = _FORMATS[tool_format]
+    return {
+        "type": "tag",
+        "begin": shape["begin"].format(name=tool["function"]["name"]),
+        "content": {"type": "any_text"},
+        "end": shape["end"],
+    }
+
+
+def strict_tools_grammar(
+    tool_format: str,
+    tools: list[dict[str, Any]],
+    *,
+    strict: Collection[str],
+    parallel: bool,
+    thinking: str,
+) -> GrammarSpec:
+    """tool_choice auto with strict tools (`strict` names them): the answer is
+    free text until it writes `<tool_call>`, which both formats open every
+    call with; from there the call must be one of `tools`, and a strict
+    tool's arguments follow its schema. The trigger is the wrapper alone, not
+    the wrapper and a name, so no spelling of a strict call escapes it; the
+    cost is that `<tool_call>` cannot appear in the text as anything but a
+    call. Tools without strict keep free arguments (their name and wrapper
+    still as the format writes them). Without parallel calls, only the end
+    of the turn may follow the first call."""
+    body = {
+        "type": "triggered_tags",
+        "triggers": [_TRIGGER],
+        "tags": [
+            _call_tag(tool_format, tool) if tool["function"]["name"] in strict
+            else _free_call_tag(tool_format, tool)
+            for tool in tools
+        ],
+        "at_least_one": False,
+        "stop_after_first": not parallel,
+    }
     tag = {"type": "structural_tag", "format": _with_thinking(body, thinking)}
     return GrammarSpec("structural_tag", json.dumps(tag))
 

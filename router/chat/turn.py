@@ -8,7 +8,9 @@
 
 The template sees the tools unless tool_choice is "none". "required" and a
 named tool are enforced with a grammar (router/chat/tool_grammar.py), as is a
-JSON response format; the model may think first when thinking is on. The
+JSON response format; under "auto", a grammar holds the calls of strict tools
+to their schemas and leaves the text free. The model may think first when
+thinking is on. The
 output goes through the reasoning parser (when the template thinks) and the
 tool-call parser (when tools are offered): reasoning is never parsed for
 tool calls.
@@ -28,7 +30,12 @@ from router.chat.events import (
     ToolCallEnd,
 )
 from router.chat.request import ChatRequest, NamedTool
-from router.chat.tool_grammar import answer_grammar, call_opener, forced_tool_grammar
+from router.chat.tool_grammar import (
+    answer_grammar,
+    call_opener,
+    forced_tool_grammar,
+    strict_tools_grammar,
+)
 from router.errors import invalid
 from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
 from router.lifecycle import ModelManager, ModelSlot
@@ -128,7 +135,11 @@ def _grammar(prepared: PreparedTurn) -> GrammarSpec | None:
                                    parallel=request.parallel_tool_calls, thinking=prepared.thinking,
                                    opener=prepared.opener)
     if request.response_format is not None:
+        # It holds the whole answer (a JSON one leaves no room for a call).
         return answer_grammar(request.response_format, prepared.thinking)
+    if prepared.tool_format is not None and request.strict_tools & request.tool_names:
+        return strict_tools_grammar(prepared.tool_format, request.tools, strict=request.strict_tools,
+                                    parallel=request.parallel_tool_calls, thinking=prepared.thinking)
     return None
 
 

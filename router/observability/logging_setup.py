@@ -1,5 +1,5 @@
 """The operational log's one line format, for the router and (copied, since
-the engine may not import the router) engine/main.py:
+the engine may not import the router) engine/process/main.py:
 
     2026-11-29 20:27:32.123 INFO message
 

@@ -124,7 +124,11 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if parameters is not None and not isinstance(parameters, dict):
             raise invalid("function.parameters must be a JSON schema object",
                           f"tools[{index}].function.parameters", "invalid_type")
-        if function.get("strict") is True and parameters is not None:
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid("function.strict must be a boolean", f"tools[{index}].function.strict",
+                          "invalid_type")
+        if strict and parameters is not None:
             check_enforceable(parameters, f"tools[{index}].function.parameters")
         checked.append({"type": "function", "function": function})
     return checked
@@ -166,8 +170,6 @@ def check_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
 
 
 def _refuse_what_we_cannot_do(req: ChatCompletionRequest) -> None:
-    if req.logit_bias and any(bias != 0 for bias in req.logit_bias.values()):
-        raise invalid("'logit_bias' is not supported (all-zero biases are accepted)", "logit_bias")
     if req.logprobs:
         raise invalid("'logprobs' is not supported yet", "logprobs")
     if req.top_logprobs:
@@ -241,6 +243,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
         sampling=sampling,
         tools=tools,
         tool_choice=check_tool_choice(given_choice, tools),
+        strict_tools=frozenset(t["function"]["name"] for t in tools if t["function"].get("strict") is True),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=thinking_choice(req),
         template_kwargs=kwargs,

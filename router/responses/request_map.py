@@ -61,9 +61,6 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
     history = _history(req.previous_response_id, store)
     input_items = canonical_input(req.input)
     tools = tool_set(req.tools)
-    for index, tool in enumerate(req.tools or ()):
-        if tool.get("type") == "function" and tool.get("strict") is True:
-            check_enforceable(tool.get("parameters"), f"tools[{index}].parameters")
     choice = tool_choice(req.tool_choice, tools)
     messages = template_messages([*history, *input_items], req.instructions, tools)
     if not any(m["role"] != "system" for m in messages):
@@ -75,6 +72,7 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
                                  top_p=req.top_p),
         tools=tools.chat_tools,
         tool_choice=choice,
+        strict_tools=tools.strict,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=_thinking(req),
         response_format=_text_format(req),

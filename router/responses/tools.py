@@ -18,6 +18,7 @@ from typing import Any
 
 from router.chat.request import NamedTool, ToolChoice
 from router.http.errors import invalid
+from router.json_schema_limits import check_enforceable
 
 NAMESPACE_SEPARATOR = "__"
 
@@ -28,6 +29,8 @@ class ToolSet:
     chat_tools: list[dict[str, Any]] = field(default_factory=list)
     # The name the model sees -> (namespace or None, the function's own name).
     origins: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    # The names the model sees of functions with strict: true.
+    strict: frozenset[str] = frozenset()
 
     def origin(self, model_name: str) -> tuple[str | None, str]:
         """The namespace and name of a call the model made (by the name it saw)."""
@@ -45,13 +48,16 @@ class ToolSet:
 def tool_set(tools: list[dict[str, Any]] | None) -> ToolSet:
     chat_tools: list[dict[str, Any]] = []
     origins: dict[str, tuple[str | None, str]] = {}
+    strict: set[str] = set()
     for index, tool in enumerate(tools or []):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise invalid(f"'{where}' must be an object", where, "invalid_type")
         kind = tool.get("type")
         if kind == "function":
-            _add(chat_tools, origins, _function(tool, where), None, "", where)
+            seen_as = _add(chat_tools, origins, _function(tool, where), None, "", where)
+            if _is_strict(tool, where):
+                strict.add(seen_as)
         elif kind == "namespace":
             namespace = _name(tool, where)
             description = tool.get("description") or ""
@@ -63,12 +69,14 @@ def tool_set(tools: list[dict[str, Any]] | None) -> ToolSet:
                 inner_where = f"{where}.tools[{inner_index}]"
                 if not isinstance(inner_tool, dict) or inner_tool.get("type") != "function":
                     raise invalid("only function tools may be in a namespace here", f"{inner_where}.type")
-                _add(chat_tools, origins, _function(inner_tool, inner_where), namespace,
-                     description, inner_where)
+                seen_as = _add(chat_tools, origins, _function(inner_tool, inner_where), namespace,
+                               description, inner_where)
+                if _is_strict(inner_tool, inner_where):
+                    strict.add(seen_as)
         else:
             raise invalid(f"tool type {kind!r} is not supported: this server runs no hosted or custom "
                           "tools; give function tools (or namespaces of them)", f"{where}.type")
-    return ToolSet(chat_tools, origins)
+    return ToolSet(chat_tools, origins, frozenset(strict))
 
 
 def _name(tool: dict[str, Any], where: str) -> str:
@@ -91,15 +99,24 @@ def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(parameters, dict):
             raise invalid("parameters must be a JSON schema object", f"{where}.parameters", "invalid_type")
         function["parameters"] = parameters
+    return function
+
+
+def _is_strict(tool: dict[str, Any], where: str) -> bool:
+    """strict: true, whose calls follow the schema (tool_grammar.py), so the
+    schema may hold no keyword the grammar would drop."""
     strict = tool.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"'{where}.strict' must be a boolean", f"{where}.strict", "invalid_type")
-    return function
+    if strict:
+        check_enforceable(tool.get("parameters"), f"{where}.parameters")
+    return bool(strict)
 
 
 def _add(chat_tools: list[dict[str, Any]], origins: dict[str, tuple[str | None, str]],
          function: dict[str, Any], namespace: str | None, namespace_description: str,
-         where: str) -> None:
+         where: str) -> str:
+    """Offers the function; returns the name the model sees."""
     name = function["name"]
     seen_as = ToolSet.model_name(name, namespace)
     if seen_as in origins:
@@ -109,6 +126,7 @@ def _add(chat_tools: list[dict[str, Any]], origins: dict[str, tuple[str | None, 
         description = " ".join(filter(None, [namespace_description, function.get("description")]))
         function = {**function, "name": seen_as, **({"description": description} if description else {})}
     chat_tools.append({"type": "function", "function": function})
+    return seen_as
 
 
 def tool_choice(choice: str | dict[str, Any] | None, tools: ToolSet) -> ToolChoice:

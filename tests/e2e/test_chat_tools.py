@@ -175,7 +175,7 @@ def test_prompt_progress_before_the_answer(server: Server) -> None:
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"999999999": 5}}, "logit_bias"),
         ({"logprobs": True}, "logprobs"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -99,3 +99,13 @@ def test_completions_logit_bias_takes_effect_and_bad_ids_are_refused(server: Ser
     for field, value in (("logprobs", 1), ("best_of", 2), ("priority", 3)):
         refused = server.post("/v1/completions", json={"prompt": "Hello", field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, field
+
+
+def test_chat_logit_bias_takes_effect_and_bad_ids_are_refused(server: Server) -> None:
+    token = 504  # "The" in SmolLM2's vocabulary
+    reply = chat(server, max_tokens=3, temperature=0, logit_bias={str(token): 100})
+    assert reply.status_code == 200, reply.text
+    expected = server.post("/detokenize", json={"tokens": [token] * 3}).json()["content"]
+    assert reply.json()["choices"][0]["message"]["content"] == expected
+    bad = chat(server, logit_bias={"10000000": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"

@@ -55,7 +55,7 @@ QUIET_WINDOW_MS = 3000
 TIMEOUT_MS = 20_000
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium_browser() -> Iterator[Browser]:
     executable, reason = find_chromium()
     if executable is None:

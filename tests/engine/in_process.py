@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import protocol as p
-from engine.bootstrap import build_engine
-from engine.core import EngineCore
+from engine.process.bootstrap import build_engine
+from engine.scheduling.core import EngineCore
 
 # Small steps and pages: prompts span several prefill chunks and KV pages.
 SMALL_STEPS: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,

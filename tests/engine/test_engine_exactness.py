@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
+from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import xgrammar as xgr
 
-from engine.grammar_compiler import GrammarCompiler
+from engine.sampling.grammar_compiler import GrammarCompiler
 from router.chat.tool_grammar import call_opener, forced_tool_grammar
 from router.text.grammar_vocab import grammar_vocab
 from router.text.model_text import ModelText

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
+from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 from tests.support import fixtures
@@ -235,7 +235,7 @@ def test_logits_are_as_close_to_float32_as_transformers_bf16(subject: Subject) -
 
     import numpy as np
 
-    from engine.step_inputs import DeviceInputs, StepInputs
+    from engine.execution.step_inputs import DeviceInputs, StepInputs
 
     prompt = subject.prompts[2]
     reference = copy.deepcopy(subject.hf).float()

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
-from engine.grammar import EngineGrammar
-from engine.sequence import Sequence
-from engine.token_mask import apply_on_host
+from engine.sampling.grammar import EngineGrammar
+from engine.sampling.token_mask import apply_on_host
+from engine.scheduling.core import EngineCore
+from engine.scheduling.sequence import Sequence
 from router.text.grammar_vocab import detect_vocab_type, grammar_vocab
 from router.text.model_text import ModelText
 from router.text.tokenizer import Tokenizer
@@ -219,7 +219,7 @@ def test_host_masking_matches_xgrammar_kernel(rows: list[int]) -> None:
 
 
 def test_compiled_grammars_are_cached_by_kind_and_source(vocab, monkeypatch) -> None:
-    from engine import grammar_compiler
+    from engine.sampling import grammar_compiler
 
     monkeypatch.setattr(grammar_compiler, "CACHE_ENTRIES", 2)
     compiler = grammar_compiler.GrammarCompiler(vocab, vocab_size=151936)

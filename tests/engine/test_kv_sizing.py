@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_sizing import KV_FILL, KV_FROM_NEED, plan_kv
+from engine.kv.kv_sizing import KV_FILL, KV_FROM_NEED, plan_kv
 from protocol import EngineOptions
 
 COMMON = dict(page_size=16, bytes_per_token=1000, trained_context=40960, requested_context=8192,

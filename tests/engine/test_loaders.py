@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.attention_metadata import AttentionMetadata
+from engine.execution.attention_metadata import AttentionMetadata
 from engine.loader import LoadedModel, load_model, open_checkpoint
 from engine.models import CausalLM, ModelConfig
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.execution.attention_metadata import AttentionMetadata
 from engine.loader import load_model
 from engine.models import CausalLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_ops import REFERENCE_OPS, _skinny_wins, kernels_usable
+from engine.execution.model_ops import REFERENCE_OPS, _skinny_wins, kernels_usable
 from engine.models import ModelConfig
 from tests.perf.gpu_models import hf_config
 

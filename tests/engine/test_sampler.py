@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sequence import Sequence
+from engine.sampling.sampler import Sampler
+from engine.scheduling.sequence import Sequence
 from protocol import SamplingParams
 
 

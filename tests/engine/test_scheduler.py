@@ -9,8 +9,8 @@ import pytest
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_manager import KVManager
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import SeqStatus, Sequence
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.sequence import SeqStatus, Sequence
 from protocol import SamplingParams
 
 EOS = 0

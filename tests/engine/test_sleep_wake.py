@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
-from engine.device_state import WeightStash, model_tensors
+from engine.execution.device_state import WeightStash, model_tensors
+from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
-from engine.device_state import DroppedWeights, model_tensors
+from engine.execution.device_state import DroppedWeights, model_tensors
+from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 
@@ -117,7 +117,7 @@ def test_out_of_memory_while_waking_is_raised(qwen3_bf16: Path) -> None:
     # Leave far less than the weights and KV pool need (about 230 MiB).
     hog = torch.empty(free - 64 * 2**20, dtype=torch.uint8, device="cuda")
     try:
-        # Engine-wide: the busy loop lets it through, engine/main.py reports EngineDead.
+        # Engine-wide: the busy loop lets it through, engine/process/main.py reports EngineDead.
         with pytest.raises(torch.OutOfMemoryError):
             core.handle(p.Wake())
     finally:

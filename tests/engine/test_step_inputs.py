@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import protocol as p
-from engine.decode_lookahead import inputs_key, next_decode_inputs, scheduled_key
-from engine.gpu_memory import MemoryLedger
-from engine.kv_sizing import plan_kv
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence
-from engine.step_inputs import DeviceInputs, build_step_inputs
+from engine.execution.decode_lookahead import inputs_key, next_decode_inputs, scheduled_key
+from engine.execution.gpu_memory import MemoryLedger
+from engine.execution.step_inputs import DeviceInputs, build_step_inputs
+from engine.kv.kv_sizing import plan_kv
+from engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduling.sequence import Sequence
 
 PAGE = 4
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import protocol as p
-from engine.core import EngineCore
+from engine.scheduling.core import EngineCore
 from router.sampling import SamplingDefaults, SamplingRequest, build_params
 from router.text.grammar_vocab import grammar_vocab
 from router.text.model_text import ModelText

@@ -33,7 +33,7 @@ def rows_of(n: int, **values: float) -> tuple[torch.Tensor, ...]:
 def loop_survivors(
     row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> tuple[set[int], bool]:
-    """engine/sampler.py's rule, token by token over the sorted order, in float64.
+    """engine/sampling/sampler.py's rule, token by token over the sorted order, in float64.
 
     Returns (survivors, near_boundary): near_boundary when a top-p or min-p
     comparison is within rounding distance, where float32 may decide otherwise."""

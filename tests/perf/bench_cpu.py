@@ -51,7 +51,7 @@ def smoke_sizes() -> None:
 
 
 def engine_core(model: Path, threads: int):  # type: ignore[no-untyped-def]
-    from engine.bootstrap import build_engine
+    from engine.process.bootstrap import build_engine
 
     torch.set_num_threads(threads)
     options = p.EngineOptions(max_batched_tokens=PREFILL_TOKENS, max_concurrency=8,

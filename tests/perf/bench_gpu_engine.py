@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import protocol as p
-from engine.core import EngineCore
+from engine.scheduling.core import EngineCore
 from tests.perf.gpu_models import (
     QWEN3_TEXT_VOCAB,
     copy_bandwidth,

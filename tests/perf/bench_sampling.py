@@ -63,7 +63,7 @@ def copy_bandwidth_gbs() -> float:
 
 
 def torch_sample(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
-    """engine/sampler.py's _draw, batched (one multinomial for all rows)."""
+    """engine/sampling/sampler.py's _draw, batched (one multinomial for all rows)."""
     vocab = logits.shape[1]
     scaled = logits / temperature.unsqueeze(1)
     ordered, order = scaled.sort(dim=-1, descending=True)

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 import protocol as p
-from engine.bootstrap import assemble_engine
-from engine.core import EngineCore
 from engine.loader import LoadedModel
 from engine.models import ModelConfig, build_model
+from engine.process.bootstrap import assemble_engine
+from engine.scheduling.core import EngineCore
 
 QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bootstrap import build_engine
+from engine.process.bootstrap import build_engine
 from protocol import EngineOptions
 from router.footprint import CUDA_CONTEXT_BYTES, estimate_footprint, read_shape
 

@@ -202,3 +202,13 @@ def test_structured_output_becomes_a_response_format() -> None:
 def test_streams_ask_for_prompt_progress() -> None:
     assert messages_request(make(stream=True))[0].sampling.report_progress
     assert not messages_request(make())[0].sampling.report_progress
+
+
+def test_strict_tools_are_held_to_their_schema() -> None:
+    chat, _ = messages_request(make(tools=[{**WEATHER, "strict": True}, {**WEATHER, "name": "other"}]))
+    assert chat.strict_tools == {"get_weather"}
+    error = refused(tools=[{**WEATHER, "strict": "yes"}])
+    assert error.param == "tools[0].strict"
+    unenforceable = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}
+    error = refused(tools=[{**WEATHER, "strict": True, "input_schema": unenforceable}])
+    assert error.param == "tools[0].input_schema.properties.n.multipleOf"

@@ -84,3 +84,33 @@ def test_a_prefill_is_continued_not_closed(manager: TextOnly) -> None:
     prepared = prepare(manager, ChatRequest(HI, prefill="The answer is", enable_thinking=False))
     assert prepared.prompt.endswith("The answer is")
     assert prepared.prompt.count("<|im_start|>assistant") == 1
+
+
+def test_strict_tools_under_auto_get_a_triggered_grammar(manager: TextOnly) -> None:
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    strict = ChatRequest(HI, tools=[TOOL, other], strict_tools=frozenset({"get_weather"}))
+    grammar = _grammar(prepare(manager, strict))
+    assert grammar is not None and grammar.kind == "structural_tag"
+    tag = json.loads(grammar.source)["format"]
+    # The model thinks first (free), then writes free text until <tool_call>.
+    assert tag["type"] == "sequence" and tag["elements"][0]["begin"] == "<think>"
+    calls = tag["elements"][1]
+    assert calls["type"] == "triggered_tags" and calls["triggers"] == ["<tool_call>"]
+    assert not calls["at_least_one"] and not calls["stop_after_first"]
+    weather, time = calls["tags"]
+    assert weather["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert weather["content"]["json_schema"] == TOOL["function"]["parameters"]
+    # A tool without strict keeps free arguments.
+    assert time["begin"] == '<tool_call>\n{"name": "get_time", "arguments": '
+    assert time["content"] == {"type": "any_text"}
+
+    quiet = prepare(manager, ChatRequest(HI, tools=[TOOL], strict_tools=frozenset({"get_weather"}),
+                                         enable_thinking=False, parallel_tool_calls=False))
+    assert quiet.opener == ""  # nothing is forced: the prompt is the plain one
+    tag = json.loads(_grammar(quiet).source)["format"]  # type: ignore[union-attr]
+    assert tag["type"] == "triggered_tags" and tag["stop_after_first"]
+
+    # No strict tool, or none offered: the output stays free.
+    assert _grammar(prepare(manager, ChatRequest(HI, tools=[TOOL, other]))) is None
+    assert _grammar(prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice="none",
+                                                 strict_tools=frozenset({"get_weather"})))) is None

@@ -144,3 +144,14 @@ def test_completion_fields() -> None:
         GrammarSpec("ebnf", 'root ::= "a" | "b"')
     assert completion_constraint(completion()) is None
     assert refused(lambda **f: check_common(completion(**f)), priority=1).param == "priority"
+
+
+def test_strict_function_tools_are_held_to_their_schema() -> None:
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": params}},
+             {"type": "function", "function": {"name": "g", "strict": False, "parameters": params}},
+             {"type": "function", "function": {"name": "h", "parameters": params}}]
+    assert chat(tools=tools).strict_tools == {"f"}
+    assert chat(functions=[tools[0]["function"]]).strict_tools == {"f"}  # the legacy shape
+    tools[0]["function"]["strict"] = "yes"
+    assert refused(chat, tools=tools).param == "tools[0].function.strict"

@@ -67,3 +67,18 @@ def test_bad_tool_choices_name_the_field(choice: object, param: str) -> None:
     with pytest.raises(RouterError) as error:
         tool_choice(choice, tool_set([WEATHER]))  # type: ignore[arg-type]
     assert error.value.param == param
+
+
+def test_strict_functions_are_named_with_the_name_the_model_sees() -> None:
+    strict_crm = {**CRM, "tools": [{**CRM["tools"][0], "strict": True}]}
+    assert tool_set([WEATHER, CRM]).strict == {"get_weather"}
+    assert tool_set([{**WEATHER, "strict": False}, strict_crm]).strict == {"crm__lookup"}
+
+
+def test_a_strict_function_in_a_namespace_refuses_keywords_the_grammar_cannot_enforce() -> None:
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    crm = {**CRM, "tools": [{**CRM["tools"][0], "strict": True, "parameters": schema}]}
+    with pytest.raises(RouterError) as error:
+        tool_set([crm])
+    assert error.value.param == "tools[0].tools[0].parameters.properties.tags.uniqueItems"
+    assert error.value.code == "unsupported_schema_keyword"

@@ -9,7 +9,7 @@ torch's (cuBLAS), except the projections of steps with at most 8 rows, which
 a bandwidth-bound skinny GEMM kernel does (kernels/skinny_gemm.py).
 
 A decode step on CudaOps reads nothing on the host and allocates only torch
-intermediates, so it can be captured into a CUDA graph (engine/cuda_graphs.py).
+intermediates, so it can be captured into a CUDA graph (engine/execution/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.attention_metadata import AttentionMetadata
+from engine.execution.attention_metadata import AttentionMetadata
 from kernels import activation, norm, reference
 from kernels.cuda_build import cuda_available
 from kernels.decode_attention import decode_workspace, paged_decode_attention

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.step_inputs import StepInputs
 from engine.models import CausalLM
-from engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 

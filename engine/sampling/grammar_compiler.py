@@ -18,7 +18,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from engine.grammar import GrammarCompileError
+from engine.sampling.grammar import GrammarCompileError
 from protocol import GrammarSpec, GrammarVocab
 
 # Compiled grammars kept, least recently used dropped first; each entry costs

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.execution.attention_metadata import AttentionMetadata
+from engine.scheduling.scheduler import SchedulerOutput
+from engine.scheduling.sequence import Sequence
 
 
 @dataclass

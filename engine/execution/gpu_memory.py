@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.execution.step_inputs import DeviceInputs, StepInputs
 from engine.models import CausalLM
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from engine.step_inputs import DeviceInputs, StepInputs
+from engine.sampling.sampler import Sampler
+from engine.scheduling.sequence import Sequence
 from protocol import MemoryFacts, SamplingParams
 
 log = logging.getLogger(__name__)

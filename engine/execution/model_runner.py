@@ -4,8 +4,8 @@ forward pass over the paged KV cache, and samples the rows that need a token.
 The runner owns the engine's device state (weights, KV tensors, the decode
 workspace and CUDA graphs), so putting it to sleep and waking it are its job too.
 
-On a GPU in bf16 the model runs our kernels (engine/model_ops.py) and decode
-steps replay CUDA graphs (engine/cuda_graphs.py); steps with prompt chunks,
+On a GPU in bf16 the model runs our kernels (engine/execution/model_ops.py) and decode
+steps replay CUDA graphs (engine/execution/cuda_graphs.py); steps with prompt chunks,
 and decode batches above the largest captured size, run eagerly.
 """
 
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, context_bucket, context_buckets
-from engine.decode_lookahead import (
+from engine.execution.cuda_graphs import DecodeGraphs, context_bucket, context_buckets
+from engine.execution.decode_lookahead import (
     LaunchedStep,
     inputs_key,
     next_decode_inputs,
     scheduled_key,
 )
-from engine.device_state import (
+from engine.execution.device_state import (
     DroppedWeights,
     KVCache,
     KVPageStash,
@@ -34,13 +34,13 @@ from engine.device_state import (
     device_bytes,
     release_device_memory,
 )
+from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps
+from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.loader import LoadedModel, load_model
-from engine.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps
 from engine.models import CausalLM
-from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
-from engine.step_inputs import DeviceInputs, StepInputs, build_step_inputs
-from engine.token_mask import TokenMask
+from engine.sampling.sampler import Sampler
+from engine.sampling.token_mask import TokenMask
+from engine.scheduling.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ModelRunner:
         self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv() if num_pages else []
         self.graphs: DecodeGraphs | None = None
-        # A decode step launched ahead of the host (engine/decode_lookahead.py).
+        # A decode step launched ahead of the host (engine/execution/decode_lookahead.py).
         self._launched: LaunchedStep | None = None
         self._host_tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
         self._host_turn = 0
@@ -243,7 +243,7 @@ class ModelRunner:
 
     def _launch_next(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Put the following decode step on the GPU behind this one (see
-        engine/decode_lookahead.py), when every row can simply go on."""
+        engine/execution/decode_lookahead.py), when every row can simply go on."""
         assert self.graphs is not None
         following = next_decode_inputs(inputs, self.page_size, self.max_context)
         if following is None or not self.graphs.handles(following):

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sequence import Sequence
-from engine.token_mask import TokenMask
+from engine.sampling.token_mask import TokenMask
+from engine.scheduling.sequence import Sequence
 from protocol import GrammarSpec, GrammarVocab
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from engine.grammar_compiler import GrammarCompiler
+    from engine.sampling.grammar_compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineGrammar:
         replaces it; running requests keep their compiled grammars)."""
         # Imported on first use: xgrammar loads transformers (about half a
         # second), which an engine that never sees a grammar need not pay for.
-        from engine.grammar_compiler import GrammarCompiler
+        from engine.sampling.grammar_compiler import GrammarCompiler
 
         try:
             self._compiler = GrammarCompiler(vocab, vocab_size=self.vocab_size)

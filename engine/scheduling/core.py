@@ -5,7 +5,7 @@ thread and events leave through `emit`, which hands them to the output thread.
 
 Requests with a grammar get an xgrammar matcher when they arrive (the grammar
 is compiled then); every step masks their logits and advances their matchers
-(engine/grammar.py).
+(engine/sampling/grammar.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.grammar import EngineGrammar, GrammarCompileError, GrammarError
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.execution.model_runner import ModelRunner
+from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarError
+from engine.sampling.sampler import Sampler
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import Sequence
 from protocol import (
     Abort,
     Awake,

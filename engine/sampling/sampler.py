@@ -1,7 +1,7 @@
 """Turns the last-position logits of a batch into one token per row.
 
 Grammar rows first lose the tokens their grammar forbids (a TokenMask, see
-engine/grammar.py), then rows with a logit_bias get it added. Greedy rows take the argmax. Sampled rows apply
+engine/sampling/grammar.py), then rows with a logit_bias get it added. Greedy rows take the argmax. Sampled rows apply
 penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
 batch, and draw from what is left. A request with a seed draws from its own
 generator, so its tokens do not depend on which other requests share the batch.
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sequence import Sequence
+from engine.scheduling.sequence import Sequence
 from kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
-    from engine.token_mask import TokenMask
+    from engine.sampling.token_mask import TokenMask
 
 
 class Sampler:
@@ -112,7 +112,7 @@ class Sampler:
     @staticmethod
     def _apply_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         # A bias is fixed for the whole request, so it needs no host work per
-        # step: a step launched ahead (engine/decode_lookahead.py) applies it too.
+        # step: a step launched ahead (engine/execution/decode_lookahead.py) applies it too.
         for row, seq in enumerate(seqs):
             bias = seq.params.logit_bias
             if not bias:

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
-from engine.core import EngineCore
-from engine.device_state import model_tensors
-from engine.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
+from engine.execution.device_state import model_tensors
+from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
+from engine.execution.model_ops import CudaOps, kernels_usable
+from engine.execution.model_runner import ModelRunner
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_manager import KVManager
-from engine.kv_sizing import plan_kv
+from engine.kv.kv_sizing import plan_kv
 from engine.loader import LoadedModel, load_model
-from engine.model_ops import CudaOps, kernels_usable
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.sampling.sampler import Sampler
+from engine.scheduling.core import EngineCore
+from engine.scheduling.scheduler import Scheduler
 from protocol import (
     PROTOCOL_VERSION,
     EngineEvent,

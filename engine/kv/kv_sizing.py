@@ -58,7 +58,7 @@ def plan_kv(
 
     On the CPU the memory given is a quarter of what is available, capped at
     1 GiB, and never less than one full context. On a GPU it is
-    device_budget_bytes (engine/gpu_memory.py: the free memory, or the
+    device_budget_bytes (engine/execution/gpu_memory.py: the free memory, or the
     router's grant, less the activations, the graphs and the headroom).
     """
     if requested_context > trained_context:

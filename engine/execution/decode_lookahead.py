@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.scheduler import SchedulerOutput
-from engine.step_inputs import StepInputs, block_tables_of, slots_of
+from engine.execution.step_inputs import StepInputs, block_tables_of, slots_of
+from engine.scheduling.scheduler import SchedulerOutput
 
 StepKey = tuple[tuple[str, int], ...]
 

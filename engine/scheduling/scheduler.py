@@ -20,7 +20,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
-from engine.sequence import SeqStatus, Sequence
+from engine.scheduling.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

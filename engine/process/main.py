@@ -14,8 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
-from engine.ipc import EngineSockets
-from engine.parent_watch import die_with_parent
+from engine.process.ipc import EngineSockets
+from engine.process.parent_watch import die_with_parent
 from protocol import EngineDead, EngineOptions, LoadProgress
 
 log = logging.getLogger("engine")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sockets.start_output()
     try:
         # Imported here so a bad argument fails before torch's import cost.
-        from engine.bootstrap import build_engine
+        from engine.process.bootstrap import build_engine
 
         started = time.monotonic()
         core, ready = build_engine(args.model, args.options, ProgressReporter(sockets), sockets.emit)
