@@ -15,24 +15,19 @@ from typing import Any, ClassVar
 import pytest
 
 from protocol import (
-    Awake,
     EngineOptions,
-    EngineStats,
-    KvFacts,
     MemoryFacts,
-    ModelFacts,
     Ready,
-    Slept,
 )
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
 from router.errors import Unavailable
 from router.footprint import CUDA_CONTEXT_BYTES, estimate_footprint, read_shape
-from router.lifecycle import transitions as transitions_module
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelState
 from router.observability.records import Observers
 from router.settings import ModelSettings
+from tests.support.fake_engines import FakeEngine, use_fake_engines
 from tests.support.simulated_devices import NoDevices, OutOfMemory, SimulatedDevices
 
 S = ModelState
@@ -44,98 +39,69 @@ HEADROOM_MIB = 256
 USE = 0.9
 
 
-class FakeClient:
-    def __init__(self, engine: FakeEngine):
-        self.engine = engine
-        self.dead: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.stats = EngineStats()
-
-    async def sleep(self, weights: str) -> Slept:
-        await asyncio.sleep(0.005)
-        self.engine.release(keep_context=True)
-        return Slept(0.005, 0, 0)
-
-    async def wake(self) -> Awake:
-        await asyncio.sleep(0.005)
-        self.engine.hold()
-        return Awake(0.005)
-
-    def fail_all(self, reason: str) -> None:
-        if not self.dead.done():
-            self.dead.set_result(reason)
-
-
-class FakeEngine:
-    """Stands in for router.supervisor.EngineProcess."""
+class GpuEngine(FakeEngine):
+    """A stand-in engine that holds what it was granted on simulated GPUs,
+    and fails the way CUDA does when it asks for more than is free."""
 
     devices: ClassVar[SimulatedDevices | None] = None
     launched: ClassVar[dict[str, list[EngineOptions]]] = {}
-    log: ClassVar[list[str]] = []
     failures: ClassVar[list[str]] = []
     # Model ids whose next load fails (the engine exits before Ready).
     broken: ClassVar[set[str]] = set()
 
     def __init__(self, entry: CatalogEntry, run_dir: Path, serial: int):
-        self.entry = entry
-        self.options = entry.settings.engine
-        self.pid = serial
-        self.client = FakeClient(self)
-        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.stopping = False
+        super().__init__(entry, run_dir, serial)
         self.gpu = (int(self.options.device.removeprefix("cuda:"))
                     if self.options.device.startswith("cuda:") else None)
         self.size = int(self.options.device_memory_mib * MIB * USE)
 
     def hold(self) -> None:
-        if self.gpu is not None and FakeEngine.devices is not None:
+        if self.gpu is not None and GpuEngine.devices is not None:
             try:
-                FakeEngine.devices.hold(self.gpu, self.entry.id, self.size)
+                GpuEngine.devices.hold(self.gpu, self.entry.id, self.size)
             except OutOfMemory as exc:
-                FakeEngine.failures.append(str(exc))
+                GpuEngine.failures.append(str(exc))
                 raise
 
     def release(self, *, keep_context: bool) -> None:
-        if self.gpu is not None and FakeEngine.devices is not None:
-            FakeEngine.devices.drop(self.gpu, self.entry.id)
+        if self.gpu is not None and GpuEngine.devices is not None:
+            GpuEngine.devices.drop(self.gpu, self.entry.id)
             if not keep_context:
-                FakeEngine.devices.drop(self.gpu, self.entry.id + ":context")
+                GpuEngine.devices.drop(self.gpu, self.entry.id + ":context")
 
     async def start(self, ready_within: float, on_progress: Any) -> Ready:
-        FakeEngine.log.append(f"start {self.entry.id}")
-        FakeEngine.launched.setdefault(self.entry.id, []).append(self.options)
-        if self.gpu is not None and FakeEngine.devices is not None:
+        GpuEngine.launched.setdefault(self.entry.id, []).append(self.options)
+        if self.gpu is not None and GpuEngine.devices is not None:
             # The CUDA context comes first and is not part of what it reports.
-            FakeEngine.devices.hold(self.gpu, self.entry.id + ":context", CUDA_CONTEXT_BYTES)
-        await asyncio.sleep(0.01)
-        if self.entry.id in FakeEngine.broken:
-            FakeEngine.broken.discard(self.entry.id)
+            GpuEngine.devices.hold(self.gpu, self.entry.id + ":context", CUDA_CONTEXT_BYTES)
+        return await super().start(ready_within, on_progress)
+
+    def started_up(self) -> None:
+        if self.entry.id in GpuEngine.broken:
+            GpuEngine.broken.discard(self.entry.id)
             raise RuntimeError("engine exited with status 1 before it was ready")
         self.hold()
-        memory = MemoryFacts(weights_bytes=self.size // 2, kv_bytes=self.size - self.size // 2)
-        facts = ModelFacts("LlamaForCausalLM", 10, 64, 8, 1, 1, 1, 0, 0, "bfloat16",
-                           self.options.device)
-        return Ready(6, self.pid, facts, KvFacts(16, 8, 64, 4, 64, 0), 0.01, memory=memory)
 
-    async def stop(self, reason: str = "", code: str = "engine_failed") -> None:
-        FakeEngine.log.append(f"stop {self.entry.id}")
-        self.stopping = True
+    def memory(self) -> MemoryFacts:
+        return MemoryFacts(weights_bytes=self.size // 2, kv_bytes=self.size - self.size // 2)
+
+    def slept(self) -> None:
+        self.release(keep_context=True)
+
+    def woke(self) -> None:
+        self.hold()
+
+    def stopped(self) -> None:
         self.release(keep_context=False)
-        if not self.exited.done():
-            self.exited.set_result(0)
-        self.client.fail_all(reason)
-
-    async def kill(self, grace: float = 0.0) -> None:
-        await self.stop("killed")
 
 
 @pytest.fixture(autouse=True)
 def fake_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeEngine.devices = None
-    FakeEngine.launched = {}
-    FakeEngine.log = []
-    FakeEngine.failures = []
-    FakeEngine.broken = set()
-    monkeypatch.setattr(transitions_module, "EngineProcess", FakeEngine)
+    GpuEngine.devices = None
+    GpuEngine.launched = {}
+    GpuEngine.failures = []
+    GpuEngine.broken = set()
+    use_fake_engines(monkeypatch, GpuEngine)
 
 
 def checkpoint(root: Path, name: str, params: int) -> Path:
@@ -184,7 +150,7 @@ def router(tmp_path: Path, sizes: dict[str, int], devices: Any, *, models_max: i
     config = ServeConfig(models_dir=tmp_path, models_max=models_max, pending_timeout_ms=1000,
                          device_headroom_mib=HEADROOM_MIB)
     if isinstance(devices, SimulatedDevices):
-        FakeEngine.devices = devices
+        GpuEngine.devices = devices
     manager = ModelManager(Catalog(entries), config, probe=devices)
     recorder = Recorder()
     manager.observers.models.append(recorder)
@@ -245,7 +211,7 @@ def test_the_least_recently_used_idle_model_makes_room_on_its_gpu(tmp_path: Path
         await audited(manager, use(manager, "c"))
         assert states(manager) == {"a": S.LOADED, "b": S.UNLOADED, "c": S.LOADED}
         assert recorder.evictions == [("b", "unload", "device_memory", "c", "cuda:0")]
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -292,7 +258,7 @@ def test_a_model_with_requests_in_flight_is_never_evicted(tmp_path: Path) -> Non
         await audited(manager, asyncio.gather(busy, busy_c, waiting))
         assert manager.slots["b"].state is S.LOADED
         assert [e[0] for e in recorder.evictions] == ["b", "a"]
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -321,20 +287,20 @@ def test_an_unpinned_model_goes_where_it_needs_the_fewest_evictions(tmp_path: Pa
         # GPU 1 has more room: the first model goes there (no eviction either way).
         sim.totals[:] = [room_for(path, 1.5), room_for(path, 2.5)]
         await use(manager, "a")
-        assert FakeEngine.launched["a"][-1].device == "cuda:1"
+        assert GpuEngine.launched["a"][-1].device == "cuda:1"
         # b fits either GPU without an eviction: GPU 1 keeps more room afterwards.
         await use(manager, "b")
-        assert FakeEngine.launched["b"][-1].device == "cuda:1"
+        assert GpuEngine.launched["b"][-1].device == "cuda:1"
         # c fits GPU 0 as it is, but GPU 1 only after an eviction: GPU 0.
         await use(manager, "c")
-        assert FakeEngine.launched["c"][-1].device == "cuda:0"
+        assert GpuEngine.launched["c"][-1].device == "cuda:0"
         assert recorder.evictions == []
         # Every GPU is full: one eviction either way, and GPU 1 has more room
         # left after its least recently used model (a) goes.
         await audited(manager, use(manager, "d"))
-        assert FakeEngine.launched["d"][-1].device == "cuda:1"
+        assert GpuEngine.launched["d"][-1].device == "cuda:1"
         assert recorder.evictions == [("a", "unload", "device_memory", "d", "cuda:1")]
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -355,7 +321,7 @@ def test_the_gpu_with_fewer_evictions_wins_over_more_room(tmp_path: Path) -> Non
         await audited(manager, use(manager, "c"))
         # GPU 0 needs one eviction (a), GPU 1 one too (b, its least recently used):
         # tie, so the GPU with more room left afterwards (GPU 1).
-        assert FakeEngine.launched["c"][-1].device == "cuda:1"
+        assert GpuEngine.launched["c"][-1].device == "cuda:1"
         assert recorder.evictions == [("b", "unload", "device_memory", "c", "cuda:1")]
         await manager.close()
 
@@ -399,7 +365,7 @@ def test_other_processes_memory_counts(tmp_path: Path) -> None:
         assert recorder.evictions == [("a", "unload", "device_memory", "b", "cuda:0")]
         (book, _), = manager.seats.books()
         assert book.other_bytes >= sim.other[0]
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -434,7 +400,7 @@ def test_sleeping_models_wake_by_re_planning_and_give_memory_back(tmp_path: Path
         assert [e[:4] for e in recorder.evictions] == [
             ("a", "sleep", "device_memory", "b"), ("b", "sleep", "device_memory", "a")]
         assert FakeEngine.log.count("start a") == 1  # a woke, it was not loaded again
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -445,12 +411,12 @@ def test_a_failed_load_gives_its_planned_memory_back(tmp_path: Path) -> None:
         sim = SimulatedDevices([0])
         manager, _ = router(tmp_path, {"a": ONE_GIB, "b": ONE_GIB}, sim)
         sim.totals[0] = room_for(manager.slots["a"].entry.path, 1.5)
-        FakeEngine.broken.add("a")
+        GpuEngine.broken.add("a")
         with pytest.raises(Unavailable, match="failed to load"):
             await use(manager, "a")
         assert manager.seats.books(probe=False)[0][1] == 0
         await audited(manager, use(manager, "b"))
-        assert manager.slots["b"].state is S.LOADED and FakeEngine.failures == []
+        assert manager.slots["b"].state is S.LOADED and GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())
@@ -463,16 +429,16 @@ def test_grants_and_the_lone_model_fill(tmp_path: Path) -> None:
         path = manager.slots["a"].entry.path
         sim.totals[0] = room_for(path, 3)
         await use(manager, "a")
-        launched = FakeEngine.launched["a"][-1]
+        launched = GpuEngine.launched["a"][-1]
         # Two models may share the GPU: a is given what it needs, its pool sized to its lanes.
         assert launched.kv_capacity_tokens == 0
         assert launched.device_memory_mib == (need_of(path) - CUDA_CONTEXT_BYTES) // MIB
         await manager.close()
 
-        FakeEngine.launched = {}
+        GpuEngine.launched = {}
         alone, _ = router(tmp_path / "alone", {"only": ONE_GIB}, SimulatedDevices([32 * GIB]))
         await use(alone, "only")
-        launched = FakeEngine.launched["only"][-1]
+        launched = GpuEngine.launched["only"][-1]
         capacity = 32 * GIB - HEADROOM_MIB * MIB
         assert launched.kv_capacity_tokens == -1  # the prefix cache may fill the GPU
         assert launched.device_memory_mib == (capacity - CUDA_CONTEXT_BYTES) // MIB
@@ -504,9 +470,9 @@ def test_without_gpus_models_run_on_the_cpu_counted_only(tmp_path: Path) -> None
                                    models_max=1)
         await use(manager, "a")
         await use(manager, "b")
-        assert [o.device for o in FakeEngine.launched["a"] + FakeEngine.launched["b"]] == \
+        assert [o.device for o in GpuEngine.launched["a"] + GpuEngine.launched["b"]] == \
             ["cpu", "cpu"]
-        assert FakeEngine.launched["a"][-1] == EngineOptions()  # exactly as before
+        assert GpuEngine.launched["a"][-1] == EngineOptions()  # exactly as before
         assert recorder.evictions == [("a", "unload", "models_max", "b", "cpu")]
         assert manager.seats.books() == []
         await manager.close()
@@ -582,7 +548,7 @@ def test_a_device_memory_share_is_planned_and_granted_exactly(tmp_path: Path) ->
         # Room for one share and a half: the second share evicts the first.
         sim.totals[0] = int(1.5 * (share_mib * MIB + CUDA_CONTEXT_BYTES)) + HEADROOM_MIB * MIB
         await audited(manager, use(manager, "a"))
-        launched = FakeEngine.launched["a"][-1]
+        launched = GpuEngine.launched["a"][-1]
         # The share is the grant, and the KV pool fills it.
         assert launched.device_memory_mib == share_mib and launched.kv_capacity_tokens == -1
         await audited(manager, use(manager, "b"))
@@ -593,7 +559,7 @@ def test_a_device_memory_share_is_planned_and_granted_exactly(tmp_path: Path) ->
             await use(manager, "tiny")
         assert caught.value.code == "insufficient_device_memory"
         assert "device-memory-mib share (64 MiB) is below" in caught.value.message
-        assert FakeEngine.failures == []
+        assert GpuEngine.failures == []
         await manager.close()
 
     asyncio.run(scenario())

@@ -6,74 +6,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
-from protocol import Awake, EngineStats, KvFacts, ModelFacts, Ready, Slept
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
-from router.lifecycle import transitions as transitions_module
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelState
+from tests.support.fake_engines import FakeEngine, use_fake_engines
 from tests.support.simulated_devices import NoDevices
 
 S = ModelState
 
 
-class FakeClient:
-    def __init__(self, log: list[str]):
-        self.dead: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.stats = EngineStats()
-        self.log = log
-
-    async def sleep(self, weights: str) -> Slept:
-        self.log.append("sleep")
-        await asyncio.sleep(0.01)
-        return Slept(0.01, 0, 0)
-
-    async def wake(self) -> Awake:
-        self.log.append("wake")
-        await asyncio.sleep(0.01)
-        return Awake(0.01)
-
-    def fail_all(self, reason: str) -> None:
-        if not self.dead.done():
-            self.dead.set_result(reason)
-
-class FakeEngine:
-    """Stands in for router.supervisor.EngineProcess."""
-
-    log: ClassVar[list[str]] = []
-
-    def __init__(self, entry: CatalogEntry, run_dir: Path, serial: int):
-        self.entry = entry
-        self.pid = serial
-        self.client = FakeClient(FakeEngine.log)
-        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.stopping = False
-
-    async def start(self, ready_within: float, on_progress: Any) -> Ready:
-        FakeEngine.log.append(f"start {self.entry.id}")
-        await asyncio.sleep(0.01)
-        facts = ModelFacts("LlamaForCausalLM", 10, 64, 8, 1, 1, 1, 0, 0, "float32", "cpu")
-        return Ready(3, self.pid, facts, KvFacts(16, 8, 64, 4, 64, 0), 0.01)
-
-    async def stop(self, reason: str = "", code: str = "engine_failed") -> None:
-        FakeEngine.log.append(f"stop {self.entry.id}")
-        self.stopping = True
-        if not self.exited.done():
-            self.exited.set_result(0)
-        self.client.fail_all(reason)
-
-    async def kill(self, grace: float = 0.0) -> None:
-        await self.stop("killed")
-
-
 @pytest.fixture(autouse=True)
 def fake_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeEngine.log = []
-    monkeypatch.setattr(transitions_module, "EngineProcess", FakeEngine)
+    use_fake_engines(monkeypatch)
 
 
 def catalog(*names: str) -> Catalog:

@@ -7,68 +7,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol import PROTOCOL_VERSION, EngineStats, KvFacts, ModelFacts, Ready
+from protocol import EngineStats
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
-from router.lifecycle import transitions as transitions_module
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelSlot, ModelState
 from router.observability.metrics import ServerMetrics
 from router.observability.records import RequestRecord
+from tests.support.fake_engines import FakeEngine, use_fake_engines
 from tests.support.llamacpp_series import LLAMACPP_TYPES
-
-
-class FakeClient:
-    def __init__(self) -> None:
-        self.dead: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.stats = EngineStats()
-
-    def fail_all(self, reason: str) -> None:
-        if not self.dead.done():
-            self.dead.set_result(reason)
-
-
-class FakeEngine:
-    """Stands in for router.supervisor.EngineProcess; `started` lists every one."""
-
-    started: ClassVar[list[FakeEngine]] = []
-
-    def __init__(self, entry: CatalogEntry, run_dir: Path, serial: int):
-        self.entry = entry
-        self.pid = serial
-        self.client = FakeClient()
-        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.stopping = False
-        FakeEngine.started.append(self)
-
-    async def start(self, ready_within: float, on_progress: Any) -> Ready:
-        facts = ModelFacts("LlamaForCausalLM", 10, 64, 8, 1, 1, 1, 0, 0, "float32", "cpu")
-        return Ready(PROTOCOL_VERSION, self.pid, facts, KvFacts(16, 8, 64, 4, 64, 0), 0.01)
-
-    async def stop(self, reason: str = "", code: str = "engine_failed") -> None:
-        self.stopping = True
-        if not self.exited.done():
-            self.exited.set_result(0)
-        self.client.fail_all(reason)
-
-    async def kill(self, grace: float = 0.0) -> None:
-        if not self.exited.done():
-            self.exited.set_result(-9)
-
-    def die(self) -> None:
-        """The engine process dies on its own (the manager's monitor notices)."""
-        self.client.fail_all("killed")
 
 
 @pytest.fixture(autouse=True)
 def fake_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeEngine.started = []
-    monkeypatch.setattr(transitions_module, "EngineProcess", FakeEngine)
+    use_fake_engines(monkeypatch)
 
 
 def make_manager(*names: str, single: bool = False) -> ModelManager:
