@@ -95,6 +95,9 @@ def assemble_engine(
         max_batch=config.max_concurrency, max_context=served_context,
         cuda_graph=config.cuda_graph,
     )
+    # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
+    weights_bytes = loaded_weights_bytes(runner)
+    headroom_bytes = config.kv_headroom_mib * 2**20
     budget = None
     if device.type == "cuda":
         progress(1.0, "measuring the largest step's memory")
@@ -102,9 +105,9 @@ def assemble_engine(
             runner.model, sampler, max_batched_tokens=config.max_batched_tokens,
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
         )
-        budget = kv_budget_bytes(peaks, config.kv_headroom_mib * 2**20, device,
-                                 runner.cuda_graph, grant_bytes=config.device_memory_mib * 2**20,
-                                 weights_bytes=loaded_weights_bytes(runner))
+        budget = kv_budget_bytes(peaks, headroom_bytes, device, runner.cuda_graph,
+                                 grant_bytes=config.device_memory_mib * 2**20,
+                                 weights_bytes=weights_bytes)
     plan = plan_kv(
         page_size=config.page_size,
         bytes_per_token=bytes_per_token,
@@ -126,11 +129,11 @@ def assemble_engine(
         progress(1.0, "capturing CUDA graphs" if runner.cuda_graph else "KV pool allocated")
         runner.capture_graphs()
         ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
-                         config.kv_headroom_mib * 2**20, loaded_weights_bytes(runner))
+                         headroom_bytes, weights_bytes)
         log.info("%s", ledger.describe())
         memory = ledger.facts()
     else:
-        memory = MemoryFacts(weights_bytes=loaded_weights_bytes(runner), kv_bytes=plan.total_bytes)
+        memory = MemoryFacts(weights_bytes=weights_bytes, kv_bytes=plan.total_bytes)
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
