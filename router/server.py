@@ -20,6 +20,7 @@ from aiohttp import web
 from router.app import create_app
 from router.catalog import build_catalog
 from router.config import ServeConfig
+from router.heap import freeze_long_lived
 from router.http.auth import KEY_STORE, AuthConfigError, KeyStore
 from router.http.connections import ConnectionLimits, GuardedSite
 from router.lifecycle import ModelManager
@@ -83,6 +84,8 @@ async def run(config: ServeConfig) -> int:
              count, "" if count == 1 else "s")
     _log_access(config, keys)
     notify("READY=1", f"STATUS=listening on {config.host}:{config.port}")
+    # Nothing streams yet: what exists now lives as long as the server.
+    freeze_long_lived(collect_first=True)
     manager.start()
 
     stopping = asyncio.ensure_future(stop.wait())

@@ -32,6 +32,7 @@ GPU_ONLY = [
     "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
     "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
+    "profile_mixed_step.py",
 ]
 
 
@@ -59,3 +60,13 @@ def test_gpu_benchmarks_import() -> None:
     # One process for all of them: torch is imported once.
     imports = "; ".join(f"import tests.perf.{Path(name).stem}" for name in GPU_ONLY)
     run(["-c", imports], timeout=120)
+
+
+def test_the_gc_probe_logs_a_long_collection(tmp_path: Path) -> None:
+    # A heap of a million lists makes a full collection take well over 1 ms.
+    env = {**os.environ, "PYTHONPATH": f"{PERF / 'gc_probe'}{os.pathsep}{ROOT}",
+           "ROUNDHOUSE_GC_PROBE": str(tmp_path / "gc")}
+    code = "import gc; heap = [[i] for i in range(1_000_000)]; gc.collect()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    (log,) = (tmp_path / "gc").glob("gc-*.jsonl")
+    assert any('"generation": 2' in line for line in log.read_text().splitlines())

@@ -13,9 +13,11 @@ no KV (slot -1) and read one token of page 0. The decode attention kernel's
 split-K grid depends on an upper bound of the sequence lengths, so each batch
 size is captured for a few context buckets, and a step replays the smallest
 bucket that holds its longest sequence. The graph ends with the logits of
-every row, written into one static float32 buffer shared by all graphs (a
-graph's own outputs would each stay allocated); sampling runs eagerly after
-the replay, since grammar masks and penalties change from step to step.
+every row, written into the static float32 buffer all graphs share
+(engine/execution/graph_memory.py); sampling runs eagerly after the replay,
+since grammar masks and penalties change from step to step.
+Input ids may be placeholders for tokens the previous step sampled on the
+device (engine/execution/future_tokens.py): the graph reads them there.
 
 Graphs point at the weights, KV and workspace addresses they were captured
 with: sleep() drops them and wake() captures them again.
@@ -24,12 +26,12 @@ with: sleep() drops them and wake() captures them again.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.future_tokens import FutureTokens
+from engine.execution.graph_memory import GraphMemory
 from engine.execution.step_inputs import StepInputs
 from engine.models import CausalLM
 
@@ -58,17 +60,13 @@ def context_bucket(buckets: list[int], longest: int) -> int:
     return next(bucket for bucket in buckets if bucket >= longest)
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # float32 [padded batch, vocab], written by each replay
-
-
 class DecodeGraphs:
     def __init__(
         self,
         model: CausalLM,
         kv_caches: list[KVCache],
+        future: FutureTokens,
+        memory: GraphMemory,
         *,
         max_batch: int,
         max_context: int,
@@ -77,6 +75,8 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.future = future
+        self.memory = memory
         self.batch_sizes = capture_batch_sizes(max_batch)
         self.buckets = context_buckets(max_context)
         self.max_batch = max_batch
@@ -93,7 +93,6 @@ class DecodeGraphs:
         # Slot -1 writes no KV: the warm-up before capture (possibly after a
         # wake, with kept prefix pages in the pool) must not touch any page.
         self.slot_mapping.fill_(-1)
-        self.logits: torch.Tensor | None = None
         # Page-locked mirrors: one step's inputs are written here, then copied
         # in three asynchronous DMAs.
         self._host_tokens = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=True)
@@ -101,8 +100,7 @@ class DecodeGraphs:
         self._host_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32,
                                         pin_memory=True)
         self._copies_done: torch.cuda.Event | None = None
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool_bytes = 0
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def _metadata(self, batch: int, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -117,43 +115,30 @@ class DecodeGraphs:
             seq_lens_host=(),
         )
 
-    def _forward(self, batch: int, bucket: int) -> torch.Tensor:
-        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch],
+    def _forward(self, batch: int, bucket: int) -> None:
+        # Placeholder ids (tokens the step before sampled) are read on the device.
+        input_ids = self.future.resolve(self.input_ids[:batch])
+        hidden = self.model.forward(input_ids, self.positions[:batch],
                                     self._metadata(batch, bucket), self.kv_caches)
-        assert self.logits is not None
-        logits = self.logits[:batch]
-        logits.copy_(self.model.compute_logits(hidden))
-        return logits
+        self.memory.logits[:batch].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every (batch size, bucket); returns the seconds it took."""
-        started = time.perf_counter()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        self.logits = torch.empty((self.max_batch, self.model.config.vocab_size),
-                                  dtype=torch.float32, device=self.device)
+    def capture(self) -> None:
+        """Capture every (batch size, bucket), largest first, into the shared pool."""
         # Warm up eagerly once at the largest shape: cuBLAS picks its
         # algorithms and creates its workspace outside the capture.
         self._forward(self.max_batch, self.buckets[-1])
         torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.batch_sizes):
             for bucket in reversed(self.buckets):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(batch, bucket)
-                self._graphs[(batch, bucket)] = _Graph(graph, logits)
+                with torch.cuda.graph(graph, pool=self.memory.pool):
+                    self._forward(batch, bucket)
+                self._graphs[(batch, bucket)] = graph
         torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        seconds = time.perf_counter() - started
-        log.info("captured %d CUDA graphs (batch sizes 1..%d, context buckets %s) in %.2fs, "
-                 "%.1f MiB", len(self._graphs), self.max_batch, self.buckets, seconds,
-                 self.pool_bytes / 2**20)
-        return seconds
 
     def release(self) -> None:
         self._graphs.clear()
-        self.logits = None
 
     @property
     def count(self) -> int:
@@ -167,11 +152,9 @@ class DecodeGraphs:
         return self.captured and inputs.is_decode and inputs.num_seqs <= self.max_batch
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the graph for a decode step; returns float32 logits [B, vocab]
-        (a view of the static buffer: use it before the next replay).
-        device_input_ids: the token ids as a device tensor (the samples of the
-        step before, not yet on the host) instead of inputs.input_ids."""
+        (a view of the static buffer: use it before the next replay)."""
         batch = inputs.num_seqs
         padded = next(size for size in self.batch_sizes if size >= batch)
         bucket = context_bucket(self.buckets, int(inputs.seq_lens.max()))
@@ -191,14 +174,11 @@ class DecodeGraphs:
         tables[:batch, :width] = inputs.block_tables
         tables[batch:padded, 0] = 0
         self._tokens.copy_(self._host_tokens, non_blocking=True)
-        if device_input_ids is not None:
-            self.input_ids[:batch].copy_(device_input_ids)
         self.seq_lens[:padded].copy_(self._host_lens[:padded], non_blocking=True)
         self.block_tables[:padded, :width].copy_(self._host_tables[:padded, :width],
                                                  non_blocking=True)
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
-        entry = self._graphs[(padded, bucket)]
-        entry.graph.replay()
-        return entry.logits[:batch]
+        self._graphs[(padded, bucket)].replay()
+        return self.memory.logits[:batch]
 

@@ -40,6 +40,9 @@ RUNTIME_SLACK_BYTES = 64 * MIB
 class StepPeaks:
     prefill_bytes: int  # beyond the weights and KV, for the largest prefill step
     decode_bytes: int  # the same for a decode step of every lane
+    # The same for the largest step with prompt chunks that replays a graph
+    # (engine/execution/chunk_graphs.py); 0 when there is none.
+    chunk_graph_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
@@ -47,7 +50,8 @@ class StepPeaks:
 
     @property
     def graph_reserve_bytes(self) -> int:
-        return self.decode_bytes + GRAPH_POOL_SLACK_BYTES
+        """The graphs' pool: the largest captured step's intermediates."""
+        return max(self.decode_bytes, self.chunk_graph_bytes) + GRAPH_POOL_SLACK_BYTES
 
 
 @torch.inference_mode()
@@ -59,7 +63,11 @@ def profile_step_peaks(
     max_batch: int,
     page_size: int,
     device: torch.device,
+    chunk_graph_tokens: int = 0,
 ) -> StepPeaks:
+    """The peaks of the largest prefill and decode steps, and of a step of
+    chunk_graph_tokens prompt tokens (the largest one a graph captures; 0:
+    none is captured)."""
     config = model.config
     pages = -(-max_batched_tokens // page_size) + max_batch + 1
     shape = (pages, page_size, config.num_kv_heads, config.head_dim)
@@ -71,10 +79,14 @@ def profile_step_peaks(
         prefill = _peak(model, sampler, inputs, scratch, _prefill_step(max_batched_tokens,
                                                                          max_batch, page_size))
         decode = _peak(model, sampler, inputs, scratch, _decode_step(max_batch, page_size))
+        chunk = 0
+        if chunk_graph_tokens:
+            chunk = _peak(model, sampler, inputs, scratch,
+                          _prefill_step(chunk_graph_tokens, max_batch, page_size))
     finally:
         del scratch
         torch.cuda.empty_cache()
-    return StepPeaks(prefill, decode)
+    return StepPeaks(prefill, decode, chunk)
 
 
 def _peak(model: CausalLM, sampler: Sampler, device_inputs: DeviceInputs,

@@ -164,6 +164,15 @@ def _skinny_wins(rows: int, weight_elements: int) -> bool:
 REFERENCE_OPS = ReferenceOps()
 
 
+def make_ops(config: ModelConfig, device: torch.device, *, use_kernels: bool, max_batch: int,
+             max_context: int) -> ReferenceOps:
+    """The ops a model runs: our kernels (their decode workspace sized for
+    max_batch rows and max_context tokens) or the torch reference."""
+    if not use_kernels:
+        return REFERENCE_OPS
+    return CudaOps(config, device, max_batch, max_context)
+
+
 # Head sizes the attention and RoPE kernels are built for.
 KERNEL_HEAD_DIMS = (64, 128)
 

@@ -4,26 +4,24 @@ forward pass over the paged KV cache, and samples the rows that need a token.
 The runner owns the engine's device state (weights, KV tensors, the decode
 workspace and CUDA graphs), so putting it to sleep and waking it are its job too.
 
-On a GPU in bf16 the model runs our kernels (engine/execution/model_ops.py) and decode
-steps replay CUDA graphs (engine/execution/cuda_graphs.py); steps with prompt chunks,
-and decode batches above the largest captured size, run eagerly.
+On a GPU in bf16 the model runs our kernels (engine/execution/model_ops.py);
+decode steps replay CUDA graphs (engine/execution/cuda_graphs.py), and so do
+steps with prompt chunks of up to a couple of thousand tokens
+(engine/execution/chunk_graphs.py); longer steps run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.execution.chunk_graphs import ChunkGraphs, chunk_graph_tokens
 from engine.execution.cuda_graphs import DecodeGraphs, context_bucket, context_buckets
-from engine.execution.decode_lookahead import (
-    LaunchedStep,
-    inputs_key,
-    next_decode_inputs,
-    scheduled_key,
-)
 from engine.execution.device_state import (
     DroppedWeights,
     KVCache,
@@ -34,13 +32,17 @@ from engine.execution.device_state import (
     device_bytes,
     release_device_memory,
 )
-from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps
+from engine.execution.future_tokens import FutureTokens
+from engine.execution.graph_memory import GraphMemory
+from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,12 +66,19 @@ class ModelRunner:
         use_kernels: bool = False,
         max_batch: int = 0,
         max_context: int = 0,
+        max_step_tokens: int = 0,
         cuda_graph: bool = False,
     ):
-        """use_kernels: run our CUDA kernels (bf16 on a GPU); max_batch and
-        max_context size their decode workspace and graphs. cuda_graph: capture
-        decode graphs (needs use_kernels) — capture_graphs() does it, after the
-        KV pool exists. num_pages 0 defers the KV pool to allocate_kv()."""
+        """Everything a step needs, built at once: the model's ops, a KV pool
+        of num_pages pages and, with cuda_graph, the decode graphs.
+        use_kernels: run our CUDA kernels (bf16 on a GPU); max_batch and
+        max_context size their decode workspace and graphs, max_step_tokens
+        (the scheduler's token budget) the graphs of steps with prompt
+        chunks. The model keeps
+        the kernel ops it was given (bootstrap sets them before measuring a
+        step's memory, which sizes num_pages)."""
+        if num_pages < 1:
+            raise ValueError(f"a model runner needs a KV pool of at least one page, got {num_pages}")
         self.model = loaded.model
         self.config = loaded.config
         # Where a wake after Sleep(weights="disk") reads the weights again.
@@ -84,36 +93,65 @@ class ModelRunner:
         self.use_kernels = use_kernels
         self.max_batch = max_batch
         self.max_context = max_context
+        self.max_step_tokens = max_step_tokens
         self.cuda_graph = cuda_graph and use_kernels
         self._inputs = DeviceInputs(device)
-        self.model.ops = self._make_ops()
-        self.kv_caches = self._allocate_kv() if num_pages else []
-        self.graphs: DecodeGraphs | None = None
-        # A decode step launched ahead of the host (engine/execution/decode_lookahead.py).
-        self._launched: LaunchedStep | None = None
+        if use_kernels != isinstance(self.model.ops, CudaOps):
+            self.model.ops = self._make_ops()
+        self.kv_caches = self._allocate_kv()
+        # Tokens sampled by launched steps, for the steps launched after them.
+        self.future = FutureTokens(max(max_batch, 1), device)
         self._host_tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
         self._host_turn = 0
         self._sleeping: _Sleeping | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.chunk_graphs: ChunkGraphs | None = None
+        self.graph_bytes = 0  # the graphs' memory pool
+        self.graph_seconds = self._capture_graphs()
 
     def _make_ops(self) -> ReferenceOps:
+        return make_ops(self.config, self.device, use_kernels=self.use_kernels,
+                        max_batch=self.max_batch, max_context=self.max_context)
+
+    def _capture_graphs(self) -> float:
+        """With our kernels, set up the steps with prompt chunks that run
+        padded (engine/execution/chunk_graphs.py); with graphs on, capture
+        those first (their intermediates are the larger) and then the decode
+        graphs. Returns the seconds taken."""
         if not self.use_kernels:
-            return REFERENCE_OPS
-        return CudaOps(self.config, self.device, self.max_batch, self.max_context)
-
-    def allocate_kv(self, num_pages: int) -> None:
-        """Create the KV pool (after automatic sizing has chosen num_pages)."""
-        self.num_pages = num_pages
-        self.kv_caches = self._allocate_kv()
-
-    def capture_graphs(self) -> float:
-        """Capture the decode graphs if enabled; returns the seconds taken."""
-        if not self.cuda_graph:
             return 0.0
+        started = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        memory = (GraphMemory(self.max_batch, self.config.vocab_size, self.device)
+                  if self.cuda_graph else None)
+        if chunk_graph_tokens(self.max_step_tokens):
+            self.chunk_graphs = ChunkGraphs(
+                self.model, self.kv_caches, self.future, memory, lanes=self.max_batch,
+                max_tokens=self.max_step_tokens, max_context=self.max_context,
+                page_size=self.page_size, device=self.device,
+            )
+        if memory is None:
+            return 0.0
+        if self.chunk_graphs is not None:
+            self.chunk_graphs.capture()
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_batch=self.max_batch, max_context=self.max_context,
-            page_size=self.page_size, device=self.device,
+            self.model, self.kv_caches, self.future, memory, max_batch=self.max_batch,
+            max_context=self.max_context, page_size=self.page_size, device=self.device,
         )
-        return self.graphs.capture()
+        self.graphs.capture()
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        seconds = time.perf_counter() - started
+        chunk_sizes = self.chunk_graphs.sizes if self.chunk_graphs is not None else []
+        log.info("captured %d CUDA graphs in %.2fs, %.1f MiB: decode batch sizes 1..%d with "
+                 "context buckets %s; steps with prompt chunks of %s tokens", self.graph_count,
+                 seconds, self.graph_bytes / 2**20, self.max_batch, self.graphs.buckets,
+                 f"{chunk_sizes[0]}..{chunk_sizes[-1]}" if chunk_sizes else "no")
+        return seconds
+
+    @property
+    def graph_count(self) -> int:
+        return sum(graphs.count for graphs in (self.graphs, self.chunk_graphs)
+                   if graphs is not None)
 
     def _allocate_kv(self) -> list[KVCache]:
         shape = (self.num_pages, self.page_size, self.config.num_kv_heads, self.config.head_dim)
@@ -142,13 +180,16 @@ class ModelRunner:
         if self._sleeping is not None:
             raise RuntimeError("the model runner is already asleep")
         pin = self.device.type == "cuda"
-        self._launched = None
         if pin:
             torch.cuda.synchronize(self.device)  # nothing may still replay a graph
+        # Graphs hold the addresses of what is about to be freed (and the
+        # graph objects the KV tensors: none may outlive this, not even as a
+        # loop variable, or the KV pool stays reserved).
         if self.graphs is not None:
-            # Graphs hold the addresses of what is about to be freed.
             self.graphs.release()
-            self.graphs = None
+        if self.chunk_graphs is not None:
+            self.chunk_graphs.release()
+        self.graphs = self.chunk_graphs = None
         self.model.ops = REFERENCE_OPS  # drops the decode workspace
         kv = KVPageStash(self.kv_caches, keep_pages, pin=pin)
         self.kv_caches = []
@@ -179,7 +220,7 @@ class ModelRunner:
         self.model.ops = self._make_ops()
         self._sleeping = None
         # The graphs captured before the sleep pointed at freed memory.
-        self.capture_graphs()
+        self._capture_graphs()
 
     def _reload_model(self) -> CausalLM:
         # The kept KV pages (and the prefix-cache fingerprint) belong to the
@@ -198,30 +239,37 @@ class ModelRunner:
             raise RuntimeError(f"{self.model_path} now describes another model than it did at load")
         return loaded.model
 
-    # ---- one step --------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------
+    #
+    # A step is launched in two calls, forward() then sample(), so the engine
+    # can do host work in between (a grammar mask that needs the previous
+    # step's token); neither waits for the device. SampledTokens.tolist() does.
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, mask: TokenMask | None = None) -> list[int]:
-        """Returns one sampled token per chunk whose `samples` is true, in order;
-        mask (grammar rows) is indexed by those sampled rows."""
-        launched, self._launched = self._launched, None
-        if launched is not None and mask is None and launched.key == scheduled_key(out):
-            # The step launched ahead is the one the scheduler wants.
-            inputs, tokens, host, done = launched.inputs, launched.tokens, launched.host, \
-                launched.done
-        else:
-            inputs = build_step_inputs(out, self.page_size)
-            logits = self._logits(inputs)
-            if logits is None:
-                return []
-            if self.graphs is None:
-                return self.sampler.sample(logits, inputs.sample_seqs, mask)
-            tokens = self.sampler.sample_on_device(logits, inputs.sample_seqs, mask)
-            host, done = self._to_host(tokens)
-        if self.graphs is not None:
-            self._launch_next(inputs, tokens)
-        done.synchronize()
-        return host[: tokens.numel()].tolist()
+    def forward(self, out: SchedulerOutput) -> StepForward:
+        """Launch the forward pass of a scheduled step; placeholder input ids
+        (tokens still on the device) are read from the future-token buffer."""
+        inputs = build_step_inputs(out, self.page_size)
+        return StepForward(inputs, self._logits(inputs))
+
+    @torch.inference_mode()
+    def sample(self, step: StepForward, first_slot: int, mask: TokenMask | None = None
+               ) -> SampledTokens:
+        """Launch the sampling of a step's sampling rows (mask, for grammar
+        rows, is indexed by them); their tokens go to the future-token buffer
+        from first_slot on and are copied to the host."""
+        if step.logits is None:
+            return SampledTokens([])
+        seqs = step.inputs.sample_seqs
+        if not self.sampler.use_kernel:
+            # The reference sampler draws on the host's schedule (torch
+            # generators); its tokens are known at once.
+            tokens = self.sampler.sample(step.logits, seqs, mask)
+            self.future.write(first_slot, torch.tensor(tokens, dtype=torch.int64).to(self.device))
+            return SampledTokens(tokens)
+        device_tokens = self.sampler.sample_on_device(step.logits, seqs, mask)
+        self.future.write(first_slot, device_tokens)
+        return self._to_host(device_tokens)
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """float32 logits of the rows that sample, or None if none does."""
@@ -234,6 +282,10 @@ class ModelRunner:
             if len(inputs.sample_rows) < inputs.num_tokens:
                 logits = logits.index_select(0, self._rows(inputs.sample_rows))
             return logits
+        if self.chunk_graphs is not None and self.chunk_graphs.handles(inputs):
+            # The graph (or its eager twin) gathers the sampled rows' logits itself.
+            logits = self.chunk_graphs.run(inputs)
+            return logits if inputs.sample_rows else None
         hidden = self._forward(inputs)
         if not inputs.sample_rows:
             return None
@@ -241,30 +293,21 @@ class ModelRunner:
             hidden = hidden.index_select(0, self._rows(inputs.sample_rows))
         return self.model.compute_logits(hidden)
 
-    def _launch_next(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
-        """Put the following decode step on the GPU behind this one (see
-        engine/execution/decode_lookahead.py), when every row can simply go on."""
-        assert self.graphs is not None
-        following = next_decode_inputs(inputs, self.page_size, self.max_context)
-        if following is None or not self.graphs.handles(following):
-            return
-        logits = self.graphs.run(following, device_input_ids=tokens)
-        next_tokens = self.sampler.sample_on_device(logits, following.sample_seqs, ahead=1)
-        host, done = self._to_host(next_tokens)
-        self._launched = LaunchedStep(inputs_key(following), following, next_tokens, host, done)
-
-    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Copy tokens into the next of two page-locked buffers (one may still
-        be read for the step before) and mark when the copy is done."""
+    def _to_host(self, tokens: torch.Tensor) -> SampledTokens:
+        """Copy tokens into the next of two page-locked buffers (the other may
+        still be read for the step before) and mark when the copy is done."""
         self._host_turn ^= 1
         buffer = self._host_tokens[self._host_turn]
         if buffer.numel() < tokens.numel():
-            buffer = torch.empty(max(tokens.numel(), 256), dtype=torch.int64, pin_memory=True)
+            buffer = torch.empty(max(tokens.numel(), 256), dtype=torch.int64,
+                                 pin_memory=self.device.type == "cuda")
             self._host_tokens[self._host_turn] = buffer
         buffer[: tokens.numel()].copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return buffer, done
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return SampledTokens(buffer[: tokens.numel()], done)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -277,4 +320,30 @@ class ModelRunner:
             # compute the same numbers.
             bound = context_bucket(context_buckets(self.max_context), int(inputs.seq_lens.max()))
         input_ids, positions, meta = self._inputs.metadata(inputs, bound)
-        return self.model.forward(input_ids, positions, meta, self.kv_caches)
+        return self.model.forward(self.future.resolve(input_ids), positions, meta, self.kv_caches)
+
+
+@dataclass
+class StepForward:
+    """A step whose forward pass is launched: its inputs and the float32
+    logits of its sampling rows (None when no row samples)."""
+
+    inputs: StepInputs
+    logits: torch.Tensor | None
+
+
+class SampledTokens:
+    """A step's sampled tokens, on their way to the host."""
+
+    def __init__(self, tokens: list[int] | torch.Tensor, done: torch.cuda.Event | None = None
+                 ) -> None:
+        self._tokens = tokens
+        self._done = done
+
+    def tolist(self) -> list[int]:
+        """The tokens, once the device has them copied (waits for that)."""
+        if isinstance(self._tokens, list):
+            return self._tokens
+        if self._done is not None:
+            self._done.synchronize()
+        return self._tokens.tolist()

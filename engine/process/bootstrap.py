@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from engine.execution.chunk_graphs import chunk_graph_tokens
 from engine.execution.device_state import model_tensors
 from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
-from engine.execution.model_ops import CudaOps, kernels_usable
+from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
@@ -89,23 +90,22 @@ def assemble_engine(
                     "the torch reference ops, without CUDA graphs", dtype, model.head_dim)
     sampler = Sampler(device, config.seed, use_kernel=use_kernels)
     served_context = config.max_context or model.max_position_embeddings
-    runner = ModelRunner(
-        loaded, model_path=model_path, device=device, dtype=dtype, num_pages=0,
-        page_size=config.page_size, sampler=sampler, use_kernels=use_kernels,
-        max_batch=config.max_concurrency, max_context=served_context,
-        cuda_graph=config.cuda_graph,
-    )
+    # The ops first: the step whose memory sizes the KV pool runs on them.
+    loaded.model.ops = make_ops(model, device, use_kernels=use_kernels,
+                                max_batch=config.max_concurrency, max_context=served_context)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
-    weights_bytes = loaded_weights_bytes(runner)
+    weights_bytes = loaded_weights_bytes(loaded)
     headroom_bytes = config.kv_headroom_mib * 2**20
     budget = None
+    cuda_graph = config.cuda_graph and use_kernels
     if device.type == "cuda":
         progress(1.0, "measuring the largest step's memory")
         peaks = profile_step_peaks(
-            runner.model, sampler, max_batched_tokens=config.max_batched_tokens,
+            loaded.model, sampler, max_batched_tokens=config.max_batched_tokens,
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
+            chunk_graph_tokens=chunk_graph_tokens(config.max_batched_tokens) if cuda_graph else 0,
         )
-        budget = kv_budget_bytes(peaks, headroom_bytes, device, runner.cuda_graph,
+        budget = kv_budget_bytes(peaks, headroom_bytes, device, cuda_graph,
                                  grant_bytes=config.device_memory_mib * 2**20,
                                  weights_bytes=weights_bytes)
     plan = plan_kv(
@@ -123,11 +123,15 @@ def assemble_engine(
         plan.num_pages, plan.page_size, plan.capacity_tokens, plan.total_bytes / 2**20,
         dtype, plan.max_context, config.max_concurrency,
     )
-    runner.allocate_kv(plan.num_pages)
-    runner.max_context = plan.max_context
     if device.type == "cuda":
-        progress(1.0, "capturing CUDA graphs" if runner.cuda_graph else "KV pool allocated")
-        runner.capture_graphs()
+        progress(1.0, "capturing CUDA graphs" if cuda_graph else "allocating the KV pool")
+    runner = ModelRunner(
+        loaded, model_path=model_path, device=device, dtype=dtype, num_pages=plan.num_pages,
+        page_size=plan.page_size, sampler=sampler, use_kernels=use_kernels,
+        max_batch=config.max_concurrency, max_context=plan.max_context,
+        max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
+    )
+    if device.type == "cuda":
         ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
                          headroom_bytes, weights_bytes)
         log.info("%s", ledger.describe())
@@ -175,9 +179,9 @@ def assemble_engine(
     return core, ready
 
 
-def loaded_weights_bytes(runner: ModelRunner) -> int:
+def loaded_weights_bytes(loaded: LoadedModel) -> int:
     """Device bytes of the weights and buffers (a tied lm_head once)."""
-    return sum(t.numel() * t.element_size() for t in model_tensors(runner.model).values())
+    return sum(t.numel() * t.element_size() for t in model_tensors(loaded.model).values())
 
 
 def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
@@ -185,7 +189,6 @@ def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
     device = runner.device
     free, total = torch.cuda.mem_get_info(device)
     ops = runner.model.ops
-    graphs = runner.graphs
     ledger = MemoryLedger(
         total_bytes=total,
         weights_bytes=weights_bytes,
@@ -194,8 +197,8 @@ def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
         kv_tokens=kv_tokens,
         activation_bytes=peaks.activation_bytes,
         workspace_bytes=ops.workspace_bytes() if isinstance(ops, CudaOps) else 0,
-        graph_bytes=graphs.pool_bytes if graphs is not None else 0,
-        graph_count=graphs.count if graphs is not None else 0,
+        graph_bytes=runner.graph_bytes,
+        graph_count=runner.graph_count,
         headroom_bytes=headroom_bytes,
         free_bytes=free,
     )

@@ -3,15 +3,16 @@ grammar, the token masks of each step, and the tokens the matchers accept.
 
 Per step, for the rows that sample a token:
 1. fill(): each grammar row's matcher writes the tokens it allows into a host
-   bitmask, which goes to the logits' device (before the forward pass, so the
-   copy is queued ahead of the model's kernels);
+   bitmask, which goes to the logits' device;
 2. the sampler applies it to those logits rows (disallowed -> -inf) first;
 3. accept(): each matcher takes its sampled token. A matcher that took its
    stop token has terminated: the sequence finishes with "stop".
 
-NOTE: fill() runs on the busy loop between scheduling and the forward pass; a
-host thread could fill the masks while the forward pass runs (the plan's
-design) once the GPU path makes the forward pass asynchronous.
+The engine fills a step's masks while the device runs that step's forward
+pass (engine/scheduling/core.py): the mask of a step needs the token of the
+step before, so it cannot be filled earlier. Several grammar rows are filled
+side by side by xgrammar's own threads (BatchGrammarMatcher), which work
+without the GIL.
 
 A preempted sequence keeps its matcher: the tokens it already produced stay
 accepted, and its recompute samples the token after them, which is exactly
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     from engine.sampling.grammar_compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+# Threads that fill a step's masks side by side: the engine's host has few
+# cores to spare beside the busy loop and the I/O threads.
+FILL_THREADS = 4
 
 _NO_VOCAB = ("this engine has no grammar vocabulary: the router must send GrammarVocab before "
              "the first request with a grammar")
@@ -68,6 +73,7 @@ class EngineGrammar:
         self._vocab_error: str | None = None
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
         self._host = torch.empty(0)  # the reused host bitmask, grown on demand
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
         # Rows of the last fill() whose grammar allowed no token at all.
         self._stuck: set[str] = set()
 
@@ -126,8 +132,11 @@ class EngineGrammar:
         if not rows:
             return None
         host = self._host_rows(len(seqs))
-        for row in rows:
-            matchers[seqs[row].request_id].fill_next_token_bitmask(host, row)
+        if len(rows) == 1:
+            matchers[seqs[rows[0]].request_id].fill_next_token_bitmask(host, rows[0])
+        else:
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                [matchers[seqs[row].request_id] for row in rows], host, indices=rows)
         bitmask = host[: len(seqs)]
         allows_any = bitmask[rows].any(dim=1).tolist()
         if not all(allows_any):
@@ -143,6 +152,13 @@ class EngineGrammar:
             # after this step's sampling has waited for the device.
             bitmask = bitmask.to(self.device, non_blocking=True)
         return TokenMask(bitmask, rows)
+
+    def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
+        if self._batch is None:
+            import xgrammar
+
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        return self._batch
 
     def _host_rows(self, count: int) -> torch.Tensor:
         if self._host.shape[0] < count:

@@ -82,26 +82,25 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, seqs: Seq[Sequence],
-                         mask: TokenMask | None = None, ahead: int = 0) -> torch.Tensor:
+                         mask: TokenMask | None = None) -> torch.Tensor:
         """The kernel path: int64 [N] tokens on the device, nothing waited for.
-        ahead: how many tokens each sequence will have gained by the step these
-        logits belong to (1 for a step launched before the previous one's
-        tokens reached the host), so its random stream stays where it would be."""
+        Each row's random stream is keyed by its count of output tokens, a
+        token still on the device (a placeholder) included, so a row draws
+        the same number whether or not the step before has reached the host."""
         if mask is not None:
             mask.apply(logits)
         self._apply_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         if all(seq.params.greedy for seq in seqs):
             return logits.argmax(dim=-1)
-        return self._sample_with_kernel(logits, seqs, ahead)
+        return self._sample_with_kernel(logits, seqs)
 
-    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence],
-                            ahead: int) -> torch.Tensor:
+    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
         # A greedy row is a row with temperature 0: the kernel takes its argmax.
         host = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p]
                              for p in params], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens + ahead]
+        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens]
                              for p, seq in zip(params, seqs, strict=True)], dtype=torch.int64)
         device = logits.device
         floats = host.to(device, non_blocking=True).T.contiguous()
@@ -112,7 +111,8 @@ class Sampler:
     @staticmethod
     def _apply_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         # A bias is fixed for the whole request, so it needs no host work per
-        # step: a step launched ahead (engine/execution/decode_lookahead.py) applies it too.
+        # step: a step sampled before the previous one's tokens reach the host
+        # applies it too.
         for row, seq in enumerate(seqs):
             bias = seq.params.logit_bias
             if not bias:
@@ -122,6 +122,8 @@ class Sampler:
             logits[row, ids] += values
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+        # Penalties read the tokens so far: the engine samples these rows only
+        # once the step before has reached the host (no placeholders left).
         for row, seq in enumerate(seqs):
             params = seq.params
             if not params.has_penalties:

@@ -1,7 +1,29 @@
-"""The busy loop: drain commands, schedule, run one step, publish outputs.
+"""The busy loop: drain commands, schedule, launch a step, complete the one
+before, publish outputs.
 
 It never touches a socket: commands arrive on a queue filled by the input
 thread and events leave through `emit`, which hands them to the output thread.
+
+The loop is a two-stage pipeline, so the host's work hides behind the
+device's. Each turn:
+1. drain commands (aborts take effect before anything is scheduled);
+2. schedule step N + 1 and launch its forward pass; the device runs it right
+   behind step N, reading step N's tokens from the device where they are
+   needed (engine/execution/future_tokens.py);
+3. launch step N + 1's sampling, unless a row needs step N's token on the
+   host first (a grammar mask, penalties over its tokens);
+4. complete step N: wait for its tokens, advance the grammar matchers, let
+   the scheduler place the tokens and finish sequences, queue the outputs;
+5. if step 3 was put off, fill the grammar masks now (the device is still
+   busy with step N + 1's forward pass) and launch the sampling;
+6. publish step N's outputs.
+A step's outputs are always taken before the buffers they came through are
+used again (two alternating halves of each), and every event of step N (a
+finish, an abort, a failed grammar) is seen by the scheduler before step N + 2
+is scheduled. A sequence that stopped at step N was already in step N + 1:
+that step's work for it is dropped. On the CPU (or without our kernels) the
+tokens are known as soon as they are sampled, and the same loop simply never
+waits.
 
 Requests with a grammar get an xgrammar matcher when they arrive (the grammar
 is compiled then); every step masks their logits and advances their matchers
@@ -14,14 +36,15 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
-from engine.execution.model_runner import ModelRunner
+from engine.execution.model_runner import ModelRunner, SampledTokens, StepForward
 from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarError
 from engine.sampling.sampler import Sampler
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import Sequence
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.sequence import SeqStatus, Sequence
 from protocol import (
     Abort,
     Awake,
@@ -46,6 +69,20 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 1.0
 
 
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not taken yet."""
+
+    out: SchedulerOutput
+    tokens: SampledTokens
+    # Prompt-progress reports due when it completes: (sequence, tokens
+    # computed once this step is done).
+    reporting: list[tuple[Sequence, int]]
+    prefill_tokens: int
+    decode_tokens: int
+    launched_at: float
+
+
 class EngineCore:
     def __init__(
         self,
@@ -63,6 +100,8 @@ class EngineCore:
         self.emit = emit
         self.grammar = EngineGrammar(vocab_size, runner.device)
         self.step_count = 0
+        self._in_flight: InFlight | None = None
+        self._last_completed_at = 0.0
         self._pending: list[RequestOutput] = []
         self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
         self._stopping = False
@@ -96,6 +135,7 @@ class EngineCore:
         for seq in self.scheduler.abort(left):
             self._forget(seq.request_id)
             self._pending.append(self._output(seq, []))
+        self._drain()
         if left:
             log.info("shutdown: aborted %d request(s) still here", len(left))
         if self._pending:
@@ -119,6 +159,8 @@ class EngineCore:
                 f"{len(scheduler.waiting)} waiting requests; the router must send Sleep "
                 "only to an engine with no requests"
             )
+        # The device must be done with the last step before its memory goes.
+        self._drain()
         if self._pending:
             # Outputs of requests aborted just before, so they arrive before Slept.
             self._publish()
@@ -198,9 +240,14 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------
 
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve, or a launched step still to complete."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
     def run(self, commands: queue.Queue[RouterCommand]) -> None:
         while not self._stopping:
-            if not self.scheduler.has_work() and not self._pending:
+            if not self.has_work and not self._pending:
                 try:
                     self.handle(commands.get(timeout=IDLE_WAIT_SECONDS))
                 except queue.Empty:
@@ -212,52 +259,108 @@ class EngineCore:
                     self.handle(commands.get_nowait())
                 except queue.Empty:
                     break
-            if self.scheduler.has_work():
+            if self.has_work:
                 self.step()
             elif self._pending:
                 self._publish()
 
     def step(self) -> None:
-        started = time.perf_counter()
+        """One turn of the pipeline: launch the next step, complete the one
+        before it (see the module's docstring)."""
         out = self.scheduler.schedule()
+        forward: StepForward | None = None
+        launched: InFlight | None = None
+        if not out.is_empty:
+            launched_at = time.perf_counter()
+            forward = self.runner.forward(out)
+            sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
+            put_off = self._needs_host_tokens(sampling)
+            tokens = None if put_off else self._sample(out, forward, None)
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._complete(previous)
+        if forward is not None:
+            if tokens is None:
+                tokens = self._sample(out, forward, self.grammar.fill(sampling))
+            launched = self._launched(out, tokens, launched_at)
+            self.step_count += 1
+        self._in_flight = launched
+        self._publish()
+
+    def _drain(self) -> None:
+        """Complete the step in flight, if any."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._complete(previous)
+
+    def _needs_host_tokens(self, sampling: list[Sequence]) -> bool:
+        """Whether a sampling row needs its newest token on the host before
+        it can be sampled: a grammar mask, or penalties over its tokens."""
+        matchers = self.grammar
+        return any(seq.params.has_penalties or (len(matchers) and seq.params.grammar is not None)
+                   for seq in sampling)
+
+    def _sample(self, out: SchedulerOutput, forward: StepForward, mask: object) -> SampledTokens:
+        first_slot = self.runner.future.next_slots()
+        tokens = self.runner.sample(forward, first_slot, mask)  # type: ignore[arg-type]
+        self.scheduler.add_pending_tokens(out, first_slot)
+        return tokens
+
+    def _launched(self, out: SchedulerOutput, tokens: SampledTokens, launched_at: float) -> InFlight:
         # Decode rows compute the newest token of a sequence that already has
         # output; the rest of the batch is prompt (or recomputed) tokens.
-        # Counted before update() appends the sampled tokens.
         decode_tokens = sum(1 for chunk in out.chunks if chunk.samples and chunk.num_tokens == 1
-                            and chunk.seq.num_output_tokens > 0)
-        prefill_tokens = out.num_tokens - decode_tokens
-        sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
+                            and chunk.token_index > chunk.seq.num_prompt_tokens)
         # Sequences with no output yet are prefilling their prompt.
-        reporting = [chunk.seq for chunk in out.chunks
-                     if chunk.seq.params.report_progress and chunk.seq.num_output_tokens == 0]
-        mask = self.grammar.fill(sampling)
-        sampled = self.runner.execute(out, mask) if not out.is_empty else []
-        verdict = self.grammar.accept(sampling, sampled)
-        self.step_count += 1
-        changed = self.scheduler.update(out, sampled, verdict.completed)
+        reporting = [(chunk.seq, chunk.start + chunk.num_tokens) for chunk in out.chunks
+                     if chunk.seq.params.report_progress
+                     and (not chunk.samples or chunk.token_index == chunk.seq.num_prompt_tokens)]
+        return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
+                        launched_at)
+
+    def _complete(self, flight: InFlight) -> None:
+        """Take a launched step's tokens and apply them."""
+        out = flight.out
+        sampled = flight.tokens.tolist()
+        sampling = [chunk for chunk in out.chunks if chunk.samples]
+        # Sequences that finished or were aborted since launch: their work is dropped.
+        gone = {id(chunk.seq) for chunk in out.chunks if chunk.seq.status is SeqStatus.FINISHED}
+        live = [(chunk.seq, token) for chunk, token in zip(sampling, sampled, strict=True)
+                if id(chunk.seq) not in gone]
+        verdict = self.grammar.accept([seq for seq, _ in live], [token for _, token in live])
+        changed = self.scheduler.complete(out, sampled, verdict.completed)
         # Progress first, so a prompt's last report (all of it processed)
         # arrives before its first token.
-        self._pending.extend(self._progress(seq) for seq in reporting)
-        for seq in changed:
+        # (A sequence preempted since launch reports again when recomputed.)
+        self._pending.extend(self._progress(seq, computed) for seq, computed in flight.reporting
+                             if id(seq) not in gone and seq.status is not SeqStatus.WAITING)
+        for chunk in changed:
+            seq = chunk.seq
             if seq.request_id in verdict.rejected:
                 continue
-            self._pending.append(self._output(seq, seq.token_ids[-1:]))
+            self._pending.append(self._output(seq, [seq.token_ids[chunk.token_index]]))
             if seq.finish_reason is not None:
                 self._forget(seq.request_id)
         for request_id, message in verdict.rejected.items():
             self._fail(request_id, message)
+        self._account(flight, len(sampled))
+
+    def _account(self, flight: InFlight, num_sampled: int) -> None:
         stats = self._stats
-        stats.generated_tokens_total += len(sampled)
-        if not out.is_empty:
-            # The step's wall time, shared between prefill and decode by token
-            # count: llama.cpp's prompt/predicted seconds for a mixed batch.
-            seconds = time.perf_counter() - started
-            stats.prefill_tokens_total += prefill_tokens
-            stats.prefill_seconds_total += seconds * prefill_tokens / out.num_tokens
-            stats.decode_seconds_total += seconds * decode_tokens / out.num_tokens
-            stats.forward_passes_total += 1
-            stats.busy_slots_total += len(out.chunks)
-        self._publish()
+        stats.generated_tokens_total += num_sampled
+        now = time.perf_counter()
+        # The device runs steps back to back: a step's time is from its launch,
+        # or from the completion of the step before if that came later.
+        seconds = now - max(flight.launched_at, self._last_completed_at)
+        self._last_completed_at = now
+        num_tokens = flight.prefill_tokens + flight.decode_tokens
+        # The step's wall time, shared between prefill and decode by token
+        # count: llama.cpp's prompt/predicted seconds for a mixed batch.
+        stats.prefill_tokens_total += flight.prefill_tokens
+        stats.prefill_seconds_total += seconds * flight.prefill_tokens / num_tokens
+        stats.decode_seconds_total += seconds * flight.decode_tokens / num_tokens
+        stats.forward_passes_total += 1
+        stats.busy_slots_total += len(flight.out.chunks)
 
     def _fail(self, request_id: str, message: str) -> None:
         """End a running request with a request error (its grammar cannot go on)."""
@@ -278,7 +381,7 @@ class EngineCore:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
-    def _progress(self, seq: Sequence) -> RequestOutput:
+    def _progress(self, seq: Sequence, computed: int) -> RequestOutput:
         """A prompt-progress report: no tokens, no finish reason; prompt tokens
         found in the prefix cache count as computed."""
         return RequestOutput(
@@ -286,7 +389,7 @@ class EngineCore:
             token_ids=[],
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_computed_tokens=seq.num_computed_tokens,
+            num_computed_tokens=computed,
         )
 
     def _publish(self) -> None:

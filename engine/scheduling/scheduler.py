@@ -11,6 +11,26 @@ When a decoding sequence needs a page and none is free, the most recently
 admitted running sequence is preempted: its pages are released (full ones stay
 in the prefix cache), and it goes back to the front of the queue, to be
 recomputed from its prompt and the tokens it already produced.
+
+The engine runs one step ahead of its results (engine/scheduling/core.py), so
+a step is scheduled while the one before it is still on the device. Hence a
+step's lifecycle here has three calls:
+- schedule() plans the step and counts its tokens as computed at once (the
+  step will run; the device orders its KV writes before any later reader);
+- add_pending_tokens() gives each sampling chunk's sequence a placeholder for
+  the token the device will sample: -(slot + 1), naming the slot of the
+  device's future-token buffer that will hold it (engine/execution/future_tokens.py).
+  The next step may already feed that placeholder to the model;
+- complete() puts the sampled tokens in place of their placeholders, registers
+  full pages in the prefix cache and finishes sequences.
+Between add_pending_tokens() and complete() the scheduler knows everything
+about a sequence except its newest token: it does not schedule a sequence
+whose pending token is its last by length (max_tokens or the context). A
+sequence preempted meanwhile may be admitted again at once: a prefix lookup
+never hashes a sequence's last token, and its recompute reads the pending
+token from the device like a decode step would. A sequence that turns out to
+have stopped may have been scheduled once more; that step's work for it is
+dropped (complete() skips finished sequences).
 """
 
 from __future__ import annotations
@@ -28,11 +48,15 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # tokens already in the cache before this step
     num_tokens: int
+    # This chunk reaches the sequence's newest token, so a token is sampled;
+    # decided when the chunk is made (None: work it out from seq now).
+    samples: bool = None  # type: ignore[assignment]
+    # Where the sampled token goes in seq.token_ids (add_pending_tokens()).
+    token_index: int = -1
 
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the sequence's newest token, so a token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -106,6 +130,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
+            if self._ends_by_length(seq):
+                # Its newest token, still on the device, is its last.
+                continue
             if not self._grow_or_preempt(seq, out):
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
@@ -138,7 +165,15 @@ class Scheduler:
             # Cannot happen while max_context fits in the pool (kv_sizing
             # guarantees it); fail loudly rather than spin.
             raise RuntimeError(f"scheduler stalled: {self.waiting[0]!r} can never be admitted")
+        for chunk in out.chunks:
+            # Computed as far as the scheduler is concerned: the device runs
+            # this step before any later one reads these pages.
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
         return out
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """seq's tokens so far (a pending one included) reach max_tokens or the context."""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_context
 
     def _grow_or_preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Find a page for seq's next token, preempting the newest sequences.
@@ -160,36 +195,67 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int],
-               completed: Container[str] = ()) -> list[Sequence]:
-        """Apply a finished step: advance progress, append sampled tokens, and
-        finish sequences; `completed` names requests whose grammar is complete,
-        which stop whatever their token (ignore_eos too). Returns the
-        sequences that got a token or finished."""
-        changed: list[Sequence] = []
+    def add_pending_tokens(self, out: SchedulerOutput, first_slot: int) -> None:
+        """The step's sampling has been launched: each sampling chunk's sequence
+        gets a placeholder for its token, naming future slots first_slot,
+        first_slot + 1, ... in chunk order."""
+        slot = first_slot
+        for chunk in out.chunks:
+            if chunk.samples:
+                chunk.token_index = chunk.seq.num_tokens
+                chunk.seq.token_ids.append(-(slot + 1))
+                slot += 1
+
+    def complete(self, out: SchedulerOutput, sampled: list[int],
+                 completed: Container[str] = ()) -> list[ScheduledChunk]:
+        """Apply a step whose tokens are known: each sampled token replaces its
+        placeholder, full pages go to the prefix cache, and sequences finish;
+        `completed` names requests whose grammar is complete, which stop
+        whatever their token (ignore_eos too). Sequences that finished (or were
+        aborted) since this step was scheduled are skipped. Returns the
+        chunks whose sequence got a token (at seq.token_ids[chunk.token_index])."""
+        changed: list[ScheduledChunk] = []
         tokens = iter(sampled)
         for chunk in out.chunks:
+            token = next(tokens) if chunk.samples else None
             seq = chunk.seq
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.commit(seq)
-            if not chunk.samples:
+            if seq.status is SeqStatus.FINISHED:
                 continue
-            token = next(tokens)
-            seq.token_ids.append(token)
-            changed.append(seq)
-            reason = "stop" if seq.request_id in completed else self._finish_reason(seq, token)
+            if token is not None:
+                seq.token_ids[chunk.token_index] = token
+            if seq.status is SeqStatus.RUNNING:
+                # Every token the cache holds is known now (the next step's
+                # input is this step's sample), so full pages can be hashed.
+                self.kv.commit(seq)
+            if token is None:
+                continue
+            changed.append(chunk)
+            reason = ("stop" if seq.request_id in completed
+                      else self._finish_reason(seq, token, chunk.token_index + 1))
             if reason is not None:
-                self.running.remove(seq)
+                # A step scheduled after this one may have given it a placeholder.
+                del seq.token_ids[chunk.token_index + 1:]
+                if seq.status is SeqStatus.RUNNING:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)  # preempted while this step ran
                 self._finish(seq, reason)
         return changed
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               completed: Container[str] = ()) -> list[ScheduledChunk]:
+        """A step whose tokens are known as soon as it runs (no step in flight)."""
+        self.add_pending_tokens(out, 0)
+        return self.complete(out, sampled, completed)
+
+    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why seq ends with token, its num_tokens-th token (None: it goes on)."""
         params = seq.params
         # The router sends every stop token, the model's end-of-sequence ids
         # included (unless ignore_eos): the engine keeps no list of its own.
         if token in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_context:
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_context:
             return "length"
         return None
 

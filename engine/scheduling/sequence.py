@@ -1,4 +1,8 @@
-"""One request as the scheduler sees it: tokens, pages and progress."""
+"""One request as the scheduler sees it: tokens, pages and progress.
+
+token_ids may end with a placeholder (a negative number) for a token the
+device has sampled but the host has not seen yet; see engine/scheduling/scheduler.py.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +70,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def has_pending_token(self) -> bool:
+        """The newest token is still on the device: a placeholder, -(slot + 1)
+        (see Scheduler.add_pending_tokens)."""
+        return bool(self.token_ids) and self.token_ids[-1] < 0
 
     @property
     def is_prefilling(self) -> bool:

@@ -30,6 +30,7 @@ from router.catalog import CatalogEntry
 from router.config import ServeConfig
 from router.engine_client import EngineFailure
 from router.errors import Conflict, InvalidRequest, Unavailable
+from router.heap import freeze_long_lived
 from router.lifecycle.admission import LaneQueue
 from router.lifecycle.events import ModelEvents
 from router.lifecycle.placement import DeviceNeeds, Placement
@@ -305,6 +306,9 @@ class ModelLifecycle:
         log.info("model %s loaded in %.1fs (pid %d, context %d, %d KV pages)",
                  slot.id, ready.load_seconds, ready.pid, ready.kv.max_context, ready.kv.num_pages)
         shared.loaded()
+        # The model's text state (tokenizer, template) lives until its unload;
+        # others may be streaming, so no full collection now.
+        freeze_long_lived(collect_first=False)
         shared.observers.model_event(slot.id, "load", time.monotonic() - started)
         self._set_state(S.LOADED, {"info": {
             "pid": ready.pid, "load_seconds": round(ready.load_seconds, 3),

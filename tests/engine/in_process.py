@@ -36,7 +36,7 @@ def run_to_completion(core: EngineCore, events: list[p.EngineEvent],
     events.clear()
     for request_id, (prompt, params) in requests.items():
         core.handle(p.Generate(request_id, prompt, params))
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
         core.scheduler.check_invariants()
     return events

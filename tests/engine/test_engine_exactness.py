@@ -174,7 +174,7 @@ def test_abort_ends_a_request_within_one_step(tiny_qwen3_dir: Path) -> None:
                 for o in e.outputs if o.finish_reason}
     assert finished == {"a": "abort"}
     assert len(core.scheduler.running) == 1
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
     core.scheduler.check_invariants()
 
@@ -188,7 +188,7 @@ def test_sixty_four_lanes_decode_together(tiny_qwen3_dir: Path) -> None:
     for request_id, (prompt, params) in batch.items():
         core.handle(p.Generate(request_id, prompt, params))
     most_running = 0
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
         most_running = max(most_running, len(core.scheduler.running))
     assert most_running == 64

@@ -285,16 +285,17 @@ def test_seeded_sampling_is_reproducible_with_graphs_and_without(tiny_qwen3_gpu:
     unseeded = _generate(core, events, {"u": prompt}, p.SamplingParams(
         max_tokens=16, temperature=0.8, ignore_eos=True))["u"]
     _release(core)
-    # Eagerly, every step waits for its tokens: no step is launched ahead, so
-    # the random stream offsets of launched-ahead steps are checked here.
+    # Without graphs every step runs eagerly, through the same pipeline (the
+    # next step launched before this one's tokens reach the host): the random
+    # stream of each token must not depend on how the step was run.
     core, events = _engine(tiny_qwen3_gpu, cuda_graph=False)
     eager = _generate(core, events, {"s": prompt}, sampled)["s"]
     _release(core)
     # In a batch the GEMMs have more rows, and `again` finds its prompt in the
     # prefix cache and computes only its last tokens: cuBLAS rounds those
     # shapes differently, so both may part from `alone` at a near-tie (see the
-    # module docstring). A fresh engine without graphs (and so without steps
-    # launched ahead) computes exactly what `alone` did.
+    # module docstring). A fresh engine without graphs computes exactly what
+    # `alone` did.
     for name, other in (("together", together), ("again", again)):
         agree = next((i for i, (a, b) in enumerate(zip(alone, other, strict=True)) if a != b), 16)
         print(f"seeded sampling: alone and {name} agree on the first {agree} of 16 tokens")

@@ -194,6 +194,23 @@ def test_masks_never_allow_padded_rows_or_special_tokens(vocab: p.GrammarVocab) 
     assert {TOOL_CALL, IM_END} <= allowed and len(allowed) > 150_000
 
 
+def test_rows_filled_together_match_each_filled_alone(vocab: p.GrammarVocab) -> None:
+    # Several grammar rows are filled by xgrammar's threads side by side.
+    grammar = EngineGrammar(151936, torch.device("cpu"))
+    grammar.set_vocab(vocab)
+    grammar.admit("json", p.GrammarSpec("json_schema", json.dumps(USER)))
+    grammar.admit("digits", p.GrammarSpec("regex", "[0-9]+"))
+    seqs = [Sequence(rid, [1, 2], params()) for rid in ("json", "free", "digits")]
+    together = grammar.fill(seqs)
+    assert together is not None and together.rows == [0, 2]
+    bits = together.bitmask.clone()
+    for row in (0, 2):
+        alone = grammar.fill([seqs[row]])
+        assert alone is not None
+        assert torch.equal(bits[row], alone.bitmask[0])
+    assert not torch.equal(bits[0], bits[2])
+
+
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
 def test_host_masking_matches_xgrammar_kernel(rows: list[int]) -> None:
     import xgrammar
@@ -368,7 +385,7 @@ def test_a_grammar_the_vocabulary_cannot_finish_fails_its_request_only(tiny_qwen
     assert stuck.error is not None and stuck.error.code == p.ErrorCode.INVALID_REQUEST
     assert "allows no token" in stuck.error.message
     assert results["plain"].finish_reason == "length" and len(results["plain"].tokens) == 5
-    assert not core.scheduler.has_work()
+    assert not core.has_work
 
 
 # ---- prompt progress --------------------------------------------------------------

@@ -36,5 +36,5 @@ def test_shutdown_aborts_what_is_left_and_ends_the_loop(tiny_qwen3_dir: Path) ->
     ends = {o.request_id: o.finish_reason for o in in_process.step_outputs(events)
             if o.finish_reason is not None}
     assert ends == {"running": "abort", "waiting": "abort"}
-    assert not core.scheduler.has_work()
+    assert not core.has_work
     core.scheduler.check_invariants()

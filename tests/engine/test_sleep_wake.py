@@ -114,7 +114,7 @@ def test_asleep_engine_refuses_requests_and_answers_repeats(tiny_qwen3_dir: Path
     assert isinstance(error, p.RequestError)
     assert error.request_id == "b" and error.code == p.ErrorCode.INVALID_REQUEST
     assert "asleep" in error.message and "woken" in error.message
-    assert not core.scheduler.has_work()
+    assert not core.has_work
     core.handle(p.Abort(["b", "unknown"]))
     assert len(events) == 1  # nothing to abort, nothing said
     core.handle(p.Sleep(weights="disk"))  # already asleep: the same answer again
@@ -141,7 +141,7 @@ def test_sleep_while_requests_run_is_refused_loudly(tiny_qwen3_dir: Path) -> Non
     with pytest.raises(RuntimeError, match="only to an engine with no requests"):
         core.handle(p.Sleep(weights="host"))
     assert not core.asleep and "busy" in core.scheduler
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
     finished = [o for e in events if isinstance(e, p.StepOutputs) for o in e.outputs
                 if o.finish_reason]

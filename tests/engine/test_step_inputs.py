@@ -1,5 +1,5 @@
-"""The flat batch a step is built from, the step launched ahead of the host,
-and GPU KV sizing: the host-side logic of the GPU path, checked without a GPU."""
+"""The flat batch a step is built from, tokens still on the device, and GPU
+KV sizing: the host-side logic of the GPU path, checked without a GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import protocol as p
-from engine.execution.decode_lookahead import inputs_key, next_decode_inputs, scheduled_key
+from engine.execution.future_tokens import FutureTokens
 from engine.execution.gpu_memory import MemoryLedger
 from engine.execution.step_inputs import DeviceInputs, build_step_inputs
 from engine.kv.kv_sizing import plan_kv
@@ -56,46 +56,21 @@ def test_device_inputs_on_the_cpu_are_the_arrays_themselves() -> None:
     assert meta.max_seq_len == 4096 and meta.seq_lens_host == (6,)
 
 
-def test_the_step_after_a_decode_step_moves_every_row_one_token_on() -> None:
-    a = sequence("a", 5, 1, [4, 8])  # 6 tokens, the newest at position 5
-    b = sequence("b", 3, 0, [6])  # 3 tokens, the newest at position 2
-    current = build_step_inputs(decode_step(a, b), PAGE)
-    following = next_decode_inputs(current, PAGE, max_context=64)
-    assert following is not None
-    assert following.positions.tolist() == [6, 3]
-    assert following.seq_lens.tolist() == [7, 4]
-    assert following.slot_mapping.tolist() == [8 * PAGE + 2, 6 * PAGE + 3]
-    assert following.sample_seqs == [a, b]
-    # The scheduler's next decode step is exactly that one once both have grown.
-    a.token_ids.append(1)
-    b.token_ids.append(1)
-    assert scheduled_key(decode_step(a, b)) == inputs_key(following)
-    assert scheduled_key(decode_step(b, a)) != inputs_key(following)
-
-
-@pytest.mark.parametrize(
-    ("seq", "why"),
-    [
-        (sequence("page", 3, 0, [6]), "position 4 needs a second page"),
-        (sequence("long", 5, 99, [1] * 27), "this step's token is its 100th of 100"),
-        (sequence("grammar", 2, 0, [1], grammar=p.GrammarSpec(kind="json_schema", source="{}")),
-         "a grammar masks the logits on the host"),
-        (sequence("penalty", 2, 0, [1], presence_penalty=0.5), "penalties read the tokens"),
-    ],
-)
-def test_no_step_is_launched_ahead_when_a_row_cannot_simply_go_on(seq: Sequence, why: str) -> None:
-    if seq.request_id == "page":
-        seq.token_ids.append(1)  # 4 tokens fill page 0; the next needs page 1
+def test_a_token_still_on_the_device_is_read_from_its_future_slot() -> None:
+    future = FutureTokens(rows=4, device=torch.device("cpu"))
+    first = future.next_slots()
+    future.write(first, torch.tensor([77, 88]))
+    seq = sequence("a", 5, 0, [4, 8])
+    seq.token_ids.append(-(first + 1 + 1))  # the second token of that launch
     inputs = build_step_inputs(decode_step(seq), PAGE)
-    assert next_decode_inputs(inputs, PAGE, max_context=4096) is None, why
-
-
-def test_no_step_is_launched_ahead_past_the_context_or_after_a_prefill() -> None:
-    seq = sequence("a", 6, 1, [1, 2])
-    assert next_decode_inputs(build_step_inputs(decode_step(seq), PAGE), PAGE, 8) is None
-    prefill = build_step_inputs(SchedulerOutput([ScheduledChunk(seq, 0, 7)]), PAGE)
-    assert scheduled_key(SchedulerOutput([ScheduledChunk(seq, 0, 7)])) is None
-    assert next_decode_inputs(prefill, PAGE, 4096) is None
+    assert inputs.input_ids.tolist() == [-(first + 2)] and seq.has_pending_token
+    ids = future.resolve(torch.from_numpy(inputs.input_ids))
+    assert ids.tolist() == [88]
+    # Known tokens pass through; the next launch writes the other half.
+    assert future.resolve(torch.tensor([5, -(first + 1), 0])).tolist() == [5, 77, 0]
+    assert future.next_slots() != first and future.next_slots() == first
+    with pytest.raises(ValueError, match="sampled 5 tokens"):
+        future.write(first, torch.zeros(5, dtype=torch.int64))
 
 
 def test_gpu_kv_plan_takes_the_budget_or_refuses_what_does_not_fit() -> None:

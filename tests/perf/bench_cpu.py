@@ -70,7 +70,7 @@ def roundhouse_run(core, events, prompts: list[list[int]], new_tokens: int) -> t
     for index, prompt in enumerate(prompts):
         core.handle(p.Generate(f"r{index}", prompt, params))
     first = None
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
         if first is None and all(
             any(o.token_ids for e in events for o in e.outputs if o.request_id == f"r{i}")

@@ -2,11 +2,16 @@
 
     python tests/perf/bench_gpu_http.py [--clients 64] [--max-tokens 256]
 
+To see which process paused when, run it with the garbage-collector probe:
+    ROUNDHOUSE_GC_PROBE=$OUT/gc PYTHONPATH=tests/perf/gc_probe:$PYTHONPATH \
+        python tests/perf/bench_gpu_http.py
+
 A random-weight Qwen3-0.6B with the real Qwen3 tokenizer is written to disk.
 First the engine alone runs the workload in-process (no HTTP, no IPC): the
 same number of requests, prompt lengths and output lengths. Then
 `roundhouse serve` serves the model and that many concurrent clients stream
-/v1/completions (ignore_eos) over aiohttp: output tok/s over the wall time,
+/v1/completions (ignore_eos) over aiohttp, from a few client processes (one
+would be the bottleneck): output tok/s over the wall time,
 and the p50/p99 inter-token latency seen by the clients (the gap between two
 streamed chunks, divided by the tokens the later one carried).
 
@@ -17,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,10 @@ from tests.perf.bench_lifecycle import write_model
 from tests.perf.gpu_models import QWEN3_TEXT_VOCAB, make_engine, random_model
 from tests.support.fixtures import QWEN3_TOKENIZER_FILES, ensure_qwen3_tokenizer
 from tests.support.server import running_server
+
+# Gaps longer than this are listed with their wall-clock time, to be matched
+# against what the processes logged (tests/perf/gc_probe/).
+SLOW_GAP_SECONDS = 0.008
 
 WORDS = ("engine turntable stall coal water track signal yard roof steam boiler piston "
          "wheel crank valve smoke whistle rail sleeper junction").split()
@@ -50,13 +62,13 @@ def engine_alone(clients: int, max_tokens: int, prompt_tokens: int) -> dict[str,
     rng = random.Random(0)
     params = p.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     core.handle(p.Generate("warm", [1] * 64, params))
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
     started = time.perf_counter()
     for index in range(clients):
         prompt = [rng.randrange(QWEN3_TEXT_VOCAB) for _ in range(prompt_tokens)]
         core.handle(p.Generate(f"r{index}", prompt, params))
-    while core.scheduler.has_work():
+    while core.has_work:
         core.step()
     seconds = time.perf_counter() - started
     core.runner.sleep("disk", [])
@@ -66,7 +78,7 @@ def engine_alone(clients: int, max_tokens: int, prompt_tokens: int) -> dict[str,
 
 
 async def one_client(session: aiohttp.ClientSession, url: str, text: str,
-                     max_tokens: int) -> tuple[int, list[float]]:
+                     max_tokens: int, slow: list[tuple[float, float]]) -> tuple[int, list[float]]:
     body = {"model": "bench", "prompt": text, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     gaps: list[float] = []
@@ -86,25 +98,59 @@ async def one_client(session: aiohttp.ClientSession, url: str, text: str,
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
+                if now - last > SLOW_GAP_SECONDS:
+                    slow.append((time.time(), (now - last) * 1e3))
             last = now
     return tokens, gaps
 
 
-async def clients_run(url: str, clients: int, max_tokens: int, words: int) -> dict[str, float]:
+async def _client_share(url: str, texts: list[str], max_tokens: int,
+                        start_at: float) -> dict[str, Any]:
+    """One client process's streams, started together at wall time start_at."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    slow: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await one_client(session, url, "warm up", 16, [])
+        # This process's own full collections would show as the server's stalls.
+        gc.collect()
+        gc.disable()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        started = time.time()
+        try:
+            results = await asyncio.gather(*(one_client(session, url, text, max_tokens, slow)
+                                             for text in texts))
+        finally:
+            gc.enable()
+        ended = time.time()
+    return {"tokens": sum(count for count, _ in results), "started": started, "ended": ended,
+            "gaps": [gap for _, gaps in results for gap in gaps], "slow": slow}
+
+
+def client_share(url: str, texts: list[str], max_tokens: int, start_at: float) -> dict[str, Any]:
+    return asyncio.run(_client_share(url, texts, max_tokens, start_at))
+
+
+def clients_run(url: str, clients: int, max_tokens: int, words: int,
+                processes: int) -> dict[str, Any]:
+    """`clients` streams from `processes` client processes: one Python process
+    parsing every stream's events falls behind near 25,000 events a second on
+    the H200 host, and then it, not the server, sets the pace."""
     rng = random.Random(0)
     texts = [prompt_text(rng, words) for _ in range(clients)]
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await one_client(session, url, "warm up", 16)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one_client(session, url, text, max_tokens)
-                                         for text in texts))
-        seconds = time.perf_counter() - started
-    tokens = sum(count for count, _ in results)
-    gaps = sorted(gap for _, client_gaps in results for gap in client_gaps)
+    shares = [texts[index::processes] for index in range(processes)]
+    start_at = time.time() + 8.0  # every process imported and warmed up by then
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        results = list(pool.map(client_share, [url] * processes, shares,
+                                [max_tokens] * processes, [start_at] * processes))
+    seconds = max(r["ended"] for r in results) - min(r["started"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    gaps = sorted(gap for r in results for gap in r["gaps"])
+    slow = sorted((round(at, 4), round(ms, 1)) for r in results for at, ms in r["slow"])
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "itl_p50_ms": statistics.median(gaps) * 1e3,
-            "itl_p99_ms": gaps[int(0.99 * (len(gaps) - 1))] * 1e3, "chunks": len(gaps)}
+            "client_processes": processes, "itl_p50_ms": statistics.median(gaps) * 1e3,
+            "itl_p99_ms": gaps[int(0.99 * (len(gaps) - 1))] * 1e3, "chunks": len(gaps),
+            "slow_gaps": slow}
 
 
 def main() -> int:
@@ -112,6 +158,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-words", type=int, default=100)
+    parser.add_argument("--client-processes", type=int, default=4)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="roundhouse-http-"))
     model_dir = work / "bench"
@@ -127,8 +174,8 @@ def main() -> int:
     serve = [str(model_dir), "--device", "cuda", "--max-concurrency", str(args.clients),
              "--max-batched-tokens", "8192", "--max-context", "4096", "--load-timeout", "600"]
     with running_server(serve, work / "server.log", timeout=300) as server:
-        result["http"] = asyncio.run(clients_run(server.url, args.clients, args.max_tokens,
-                                                 args.prompt_words))
+        result["http"] = clients_run(server.url, args.clients, args.max_tokens,
+                                     args.prompt_words, args.client_processes)
         log_tail = server.log()[-3000:]
     result["http_over_engine"] = result["http"]["output_tok_s"] / result["engine"]["output_tok_s"]
     out = os.environ.get("OUT")

@@ -31,7 +31,7 @@ def main() -> int:
     graphs = core.runner.graphs
     assert graphs is not None
     for bucket in graphs.buckets:
-        graph = graphs._graphs[(1, bucket)].graph
+        graph = graphs._graphs[(1, bucket)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(100):

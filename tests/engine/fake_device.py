@@ -1,0 +1,141 @@
+"""A stand-in for the model runner that checks the pipeline's ordering rules.
+
+FakeDevice answers EngineCore's calls (forward, sample, the future-token
+buffer) like an asynchronous device would, with a toy model whose next token
+depends on the whole context as the device's KV pages hold it: a page handed
+to the wrong sequence, a KV write missed, or a placeholder read from the wrong
+slot all change the tokens. It runs nothing until the host asks for a step's
+tokens, as a GPU runs behind its host, and it asserts what the real device
+relies on:
+- a placeholder input id names a slot written by the launch just before;
+- a half of the future buffer is written again only when no sequence the
+  host still knows holds a placeholder into it (its tokens were taken);
+- a step's tokens are taken once and in launch order; `overlap` records how
+  many launches had been made when each step's tokens were taken (one more
+  than the step's own when the host worked behind the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.execution.future_tokens import FutureTokens
+from engine.execution.step_inputs import StepInputs, build_step_inputs
+from engine.sampling.token_mask import TokenMask
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+
+VOCAB = 64
+
+
+def next_token(context: list[int]) -> int:
+    """The toy model: a token that depends on every token of the context and its order."""
+    value = len(context)
+    for token in context:
+        value = (value * 31 + token) % 1_000_003
+    return value % VOCAB
+
+
+@dataclass
+class FakeForward:
+    inputs: StepInputs
+    logits: object  # "rows" stand-in: the model's token per sampling row, once run
+    launch: int
+
+
+@dataclass
+class FakeTokens:
+    device: FakeDevice
+    launch: int
+    tokens: list[int] = field(default_factory=list)
+    taken: bool = False
+
+    def tolist(self) -> list[int]:
+        assert not self.taken, "a step's tokens were taken twice"
+        self.device.take(self.launch)
+        self.taken = True
+        return self.tokens
+
+
+class FakeDevice:
+    def __init__(self, scheduler: Scheduler, lanes: int) -> None:
+        self.scheduler = scheduler
+        self.device = torch.device("cpu")
+        self.future = FutureTokens(lanes, self.device)
+        self.kv: dict[int, int] = {}  # cache slot -> token id
+        self.page_size = scheduler.kv.page_size
+        self.launches = 0
+        self.taken: list[int] = []
+        self.overlap: list[tuple[int, int]] = []  # (launch taken, launches made by then)
+        self.slot_writer: dict[int, int] = {}  # future slot -> launch that wrote it
+        self.masks_seen: list[tuple[int, list[int]]] = []  # (launch, masked rows)
+
+    # ---- EngineCore's calls -------------------------------------------------
+
+    def forward(self, out: SchedulerOutput) -> FakeForward:
+        self.launches += 1
+        inputs = build_step_inputs(out, self.page_size)
+        ids = inputs.input_ids.copy()
+        for i, token in enumerate(ids.tolist()):
+            if token < 0:
+                slot = -token - 1
+                assert self.slot_writer.get(slot) == self.launches - 1, (
+                    f"launch {self.launches} reads future slot {slot}, written by launch "
+                    f"{self.slot_writer.get(slot)}, not by the launch just before")
+                ids[i] = int(self.future.buffer[slot])
+        for token, slot in zip(ids.tolist(), inputs.slot_mapping.tolist(), strict=True):
+            self.kv[slot] = token
+        rows = []
+        for row, seq_row in zip(inputs.sample_rows, self._rows_of(inputs), strict=True):
+            length = int(inputs.seq_lens[seq_row])
+            table = inputs.block_tables[seq_row]
+            context = [self.kv[int(table[pos // self.page_size]) * self.page_size
+                              + pos % self.page_size] for pos in range(length)]
+            rows.append(next_token(context))
+            del row
+        return FakeForward(inputs, rows if inputs.sample_rows else None, self.launches)
+
+    def sample(self, forward: FakeForward, first_slot: int, mask: TokenMask | None = None
+               ) -> FakeTokens:
+        assert forward.launch == self.launches, "a step's sampling came after a later forward"
+        tokens = FakeTokens(self, forward.launch)
+        if forward.logits is None:
+            return tokens
+        half = range(first_slot, first_slot + self.future.rows)
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            for token in seq.token_ids:
+                assert token >= 0 or -token - 1 not in half, (
+                    f"future slots {half.start}.. written again while {seq!r} still waits "
+                    f"for its token from slot {-token - 1}")
+        chosen = list(forward.logits)  # type: ignore[call-overload]
+        if mask is not None:
+            self.masks_seen.append((forward.launch, list(mask.rows)))
+            bits = mask.bitmask.numpy()
+            for row in mask.rows:
+                allowed = [t for t in range(VOCAB) if bits[row, t // 32] >> (t % 32) & 1]
+                if chosen[row] not in allowed:
+                    chosen[row] = allowed[0]
+        for i, token in enumerate(chosen):
+            self.future.buffer[first_slot + i] = token
+            self.slot_writer[first_slot + i] = forward.launch
+        tokens.tokens = chosen
+        return tokens
+
+    def device_bytes(self) -> int:
+        return 0
+
+    # ---- checks -------------------------------------------------------------
+
+    def take(self, launch: int) -> None:
+        expected = self.taken[-1] + 1 if self.taken else 1
+        assert launch == expected, f"launch {launch}'s tokens taken, expected launch {expected}'s"
+        self.taken.append(launch)
+        self.overlap.append((launch, self.launches))
+
+    @staticmethod
+    def _rows_of(inputs: StepInputs) -> list[int]:
+        """The sequence row of each sampling row."""
+        ends = np.asarray(inputs.query_start_loc[1:]) - 1
+        return [int(np.searchsorted(ends, row)) for row in inputs.sample_rows]
