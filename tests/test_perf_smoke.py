@@ -32,7 +32,7 @@ GPU_ONLY = [
     "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
     "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
-    "profile_mixed_step.py",
+    "profile_mixed_step.py", "profile_throughput.py",
 ]
 
 

@@ -32,11 +32,18 @@ class FutureTokens:
         self._turn ^= 1
         return self._turn * self.rows
 
-    def write(self, first_slot: int, tokens: torch.Tensor) -> None:
+    def write(self, first_slot: int, tokens: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Token i goes to slot first_slot + i, or, with rows (some of a
+        step's sampling rows), to slot first_slot + rows[i]."""
         count = tokens.numel()
-        if count > self.rows:
-            raise ValueError(f"a step sampled {count} tokens; the future buffer holds {self.rows}")
-        self.buffer[first_slot : first_slot + count].copy_(tokens, non_blocking=True)
+        if count > self.rows or (rows is not None and rows and max(rows) >= self.rows):
+            raise ValueError(f"a step sampled {count} tokens (rows {rows}); the future buffer "
+                             f"holds {self.rows}")
+        if rows is None:
+            self.buffer[first_slot : first_slot + count].copy_(tokens, non_blocking=True)
+            return
+        slots = torch.tensor([first_slot + row for row in rows], dtype=torch.int64)
+        self.buffer.index_copy_(0, slots.to(self.buffer.device, non_blocking=True), tokens)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids with each placeholder -(slot + 1) replaced by its slot's

@@ -101,7 +101,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv()
         # Tokens sampled by launched steps, for the steps launched after them.
         self.future = FutureTokens(max(max_batch, 1), device)
-        self._host_tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        # Page-locked buffers the sampled tokens reach the host through, used in
+        # turn: a step samples at most twice (rows that need the step before on
+        # the host go second), and at most two steps are not yet completed.
+        self._host_tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 4
         self._host_turn = 0
         self._sleeping: _Sleeping | None = None
         self.graphs: DecodeGraphs | None = None
@@ -253,22 +256,27 @@ class ModelRunner:
         return StepForward(inputs, self._logits(inputs))
 
     @torch.inference_mode()
-    def sample(self, step: StepForward, first_slot: int, mask: TokenMask | None = None
-               ) -> SampledTokens:
-        """Launch the sampling of a step's sampling rows (mask, for grammar
-        rows, is indexed by them); their tokens go to the future-token buffer
-        from first_slot on and are copied to the host."""
+    def sample(self, step: StepForward, first_slot: int, mask: TokenMask | None = None,
+               rows: list[int] | None = None) -> SampledTokens:
+        """Launch the sampling of a step's sampling rows, or of some of them
+        (rows: their indices among the step's sampling rows); mask, for
+        grammar rows, is indexed by the rows sampled. Sampling row i's token
+        goes to future slot first_slot + i and is copied to the host."""
         if step.logits is None:
             return SampledTokens([])
-        seqs = step.inputs.sample_seqs
+        logits, seqs = step.logits, step.inputs.sample_seqs
+        if rows is not None:
+            logits = logits.index_select(0, self._rows(rows))
+            seqs = [seqs[row] for row in rows]
         if not self.sampler.use_kernel:
             # The reference sampler draws on the host's schedule (torch
             # generators); its tokens are known at once.
-            tokens = self.sampler.sample(step.logits, seqs, mask)
-            self.future.write(first_slot, torch.tensor(tokens, dtype=torch.int64).to(self.device))
+            tokens = self.sampler.sample(logits, seqs, mask)
+            self.future.write(first_slot, torch.tensor(tokens, dtype=torch.int64).to(self.device),
+                              rows)
             return SampledTokens(tokens)
-        device_tokens = self.sampler.sample_on_device(step.logits, seqs, mask)
-        self.future.write(first_slot, device_tokens)
+        device_tokens = self.sampler.sample_on_device(logits, seqs, mask)
+        self.future.write(first_slot, device_tokens, rows)
         return self._to_host(device_tokens)
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -294,9 +302,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _to_host(self, tokens: torch.Tensor) -> SampledTokens:
-        """Copy tokens into the next of two page-locked buffers (the other may
-        still be read for the step before) and mark when the copy is done."""
-        self._host_turn ^= 1
+        """Copy tokens into the next page-locked buffer (the others may still
+        be read for the steps before) and mark when the copy is done."""
+        self._host_turn = (self._host_turn + 1) % len(self._host_tokens)
         buffer = self._host_tokens[self._host_turn]
         if buffer.numel() < tokens.numel():
             buffer = torch.empty(max(tokens.numel(), 256), dtype=torch.int64,

@@ -10,12 +10,12 @@ device's. Each turn:
 2. schedule step N + 1 and launch its forward pass; the device runs it right
    behind step N, reading step N's tokens from the device where they are
    needed (engine/execution/future_tokens.py);
-3. launch step N + 1's sampling, unless a row needs step N's token on the
-   host first (a grammar mask, penalties over its tokens);
+3. launch step N + 1's sampling, but for rows that need step N's token on
+   the host first (a grammar mask, penalties over its tokens);
 4. complete step N: wait for its tokens, advance the grammar matchers, let
    the scheduler place the tokens and finish sequences, queue the outputs;
-5. if step 3 was put off, fill the grammar masks now (the device is still
-   busy with step N + 1's forward pass) and launch the sampling;
+5. for the rows put off, fill the grammar masks now (the device is still
+   busy with step N + 1's forward pass) and launch their sampling;
 6. publish step N's outputs.
 A step's outputs are always taken before the buffers they came through are
 used again (two alternating halves of each), and every event of step N (a
@@ -43,6 +43,7 @@ import msgspec
 from engine.execution.model_runner import ModelRunner, SampledTokens, StepForward
 from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarError
 from engine.sampling.sampler import Sampler
+from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from protocol import (
@@ -74,7 +75,9 @@ class InFlight:
     """A launched step whose tokens the host has not taken yet."""
 
     out: SchedulerOutput
-    tokens: SampledTokens
+    # Its sampled tokens, in one or two parts: (indices among the step's
+    # sampling rows, or None for all of them; their tokens).
+    tokens: list[tuple[list[int] | None, SampledTokens]]
     # Prompt-progress reports due when it completes: (sequence, tokens
     # computed once this step is done).
     reporting: list[tuple[Sequence, int]]
@@ -270,19 +273,30 @@ class EngineCore:
         out = self.scheduler.schedule()
         forward: StepForward | None = None
         launched: InFlight | None = None
+        parts: list[tuple[list[int] | None, SampledTokens]] = []
+        put_off: list[int] = []
         if not out.is_empty:
             launched_at = time.perf_counter()
             forward = self.runner.forward(out)
+            first_slot = self.runner.future.next_slots()
             sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
-            put_off = self._needs_host_tokens(sampling)
-            tokens = None if put_off else self._sample(out, forward, None)
+            put_off = [row for row, seq in enumerate(sampling) if self._needs_host_tokens(seq)]
+            if not put_off:
+                parts.append((None, self._sample(out, forward, first_slot)))
+            elif len(put_off) < len(sampling):
+                # The other rows need nothing from the host: sampled now.
+                waiting = set(put_off)
+                rows = [row for row in range(len(sampling)) if row not in waiting]
+                parts.append((rows, self._sample(out, forward, first_slot, rows=rows)))
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._complete(previous)
         if forward is not None:
-            if tokens is None:
-                tokens = self._sample(out, forward, self.grammar.fill(sampling))
-            launched = self._launched(out, tokens, launched_at)
+            if put_off:
+                rows = put_off if len(put_off) < len(sampling) else None
+                mask = self.grammar.fill([sampling[row] for row in put_off])
+                parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
+            launched = self._launched(out, parts, launched_at)
             self.step_count += 1
         self._in_flight = launched
         self._publish()
@@ -293,35 +307,40 @@ class EngineCore:
         if previous is not None:
             self._complete(previous)
 
-    def _needs_host_tokens(self, sampling: list[Sequence]) -> bool:
+    def _needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a sampling row needs its newest token on the host before
         it can be sampled: a grammar mask, or penalties over its tokens."""
-        matchers = self.grammar
-        return any(seq.params.has_penalties or (len(matchers) and seq.params.grammar is not None)
-                   for seq in sampling)
+        params = seq.params
+        return params.has_penalties or (params.grammar is not None and len(self.grammar) > 0)
 
-    def _sample(self, out: SchedulerOutput, forward: StepForward, mask: object) -> SampledTokens:
-        first_slot = self.runner.future.next_slots()
-        tokens = self.runner.sample(forward, first_slot, mask)  # type: ignore[arg-type]
-        self.scheduler.add_pending_tokens(out, first_slot)
+    def _sample(self, out: SchedulerOutput, forward: StepForward, first_slot: int,
+                mask: TokenMask | None = None, rows: list[int] | None = None) -> SampledTokens:
+        """Launch the sampling of the step's sampling rows (or of rows, their
+        indices among them) and give their sequences placeholders; sampling
+        row i's token goes to future slot first_slot + i."""
+        tokens = self.runner.sample(forward, first_slot, mask, rows)
+        self.scheduler.add_pending_tokens(out, first_slot, None if rows is None else set(rows))
         return tokens
 
-    def _launched(self, out: SchedulerOutput, tokens: SampledTokens, launched_at: float) -> InFlight:
+    def _launched(self, out: SchedulerOutput, tokens: list[tuple[list[int] | None, SampledTokens]],
+                  launched_at: float) -> InFlight:
         # Decode rows compute the newest token of a sequence that already has
         # output; the rest of the batch is prompt (or recomputed) tokens.
         decode_tokens = sum(1 for chunk in out.chunks if chunk.samples and chunk.num_tokens == 1
                             and chunk.token_index > chunk.seq.num_prompt_tokens)
-        # Sequences with no output yet are prefilling their prompt.
+        # Chunks of a prompt, up to the one that samples its first token; a
+        # sequence recomputed after a preemption reported its prompt already.
         reporting = [(chunk.seq, chunk.start + chunk.num_tokens) for chunk in out.chunks
                      if chunk.seq.params.report_progress
-                     and (not chunk.samples or chunk.token_index == chunk.seq.num_prompt_tokens)]
+                     and (chunk.token_index == chunk.seq.num_prompt_tokens if chunk.samples
+                          else chunk.seq.num_output_tokens == 0)]
         return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
                         launched_at)
 
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""
         out = flight.out
-        sampled = flight.tokens.tolist()
+        sampled = self._taken(flight)
         sampling = [chunk for chunk in out.chunks if chunk.samples]
         # Sequences that finished or were aborted since launch: their work is dropped.
         gone = {id(chunk.seq) for chunk in out.chunks if chunk.seq.status is SeqStatus.FINISHED}
@@ -344,6 +363,19 @@ class EngineCore:
         for request_id, message in verdict.rejected.items():
             self._fail(request_id, message)
         self._account(flight, len(sampled))
+
+    @staticmethod
+    def _taken(flight: InFlight) -> list[int]:
+        """The step's tokens in sampling-row order, its parts put together."""
+        ((rows, first), *rest) = flight.tokens
+        if not rest and rows is None:
+            return first.tolist()
+        count = sum(1 for chunk in flight.out.chunks if chunk.samples)
+        sampled = [0] * count
+        for rows, part in flight.tokens:
+            for row, token in zip(rows or range(count), part.tolist(), strict=True):
+                sampled[row] = token
+        return sampled
 
     def _account(self, flight: InFlight, num_sampled: int) -> None:
         stats = self._stats

@@ -195,16 +195,22 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
-    def add_pending_tokens(self, out: SchedulerOutput, first_slot: int) -> None:
-        """The step's sampling has been launched: each sampling chunk's sequence
-        gets a placeholder for its token, naming future slots first_slot,
-        first_slot + 1, ... in chunk order."""
-        slot = first_slot
+    def add_pending_tokens(self, out: SchedulerOutput, first_slot: int,
+                           rows: Container[int] | None = None) -> None:
+        """The step's sampling has been launched (for all its sampling chunks,
+        or for those whose index among them is in rows): each such chunk's
+        sequence gets a placeholder for its token, sampling chunk i's naming
+        future slot first_slot + i."""
+        row = 0
         for chunk in out.chunks:
-            if chunk.samples:
+            if not chunk.samples:
+                continue
+            # (A sequence that finished meanwhile gets no placeholder: this
+            # step's work for it is dropped.)
+            if (rows is None or row in rows) and chunk.seq.status is not SeqStatus.FINISHED:
                 chunk.token_index = chunk.seq.num_tokens
-                chunk.seq.token_ids.append(-(slot + 1))
-                slot += 1
+                chunk.seq.token_ids.append(-(first_slot + row + 1))
+            row += 1
 
     def complete(self, out: SchedulerOutput, sampled: list[int],
                  completed: Container[str] = ()) -> list[ScheduledChunk]:

@@ -10,7 +10,7 @@ relies on:
 - a placeholder input id names a slot written by the launch just before;
 - a half of the future buffer is written again only when no sequence the
   host still knows holds a placeholder into it (its tokens were taken);
-- a step's tokens are taken once and in launch order; `overlap` records how
+- a step's tokens (one or two parts) are taken once and in launch order; `overlap` records how
   many launches had been made when each step's tokens were taken (one more
   than the step's own when the host worked behind the device).
 """
@@ -71,6 +71,9 @@ class FakeDevice:
         self.overlap: list[tuple[int, int]] = []  # (launch taken, launches made by then)
         self.slot_writer: dict[int, int] = {}  # future slot -> launch that wrote it
         self.masks_seen: list[tuple[int, list[int]]] = []  # (launch, masked rows)
+        self.half_owner: dict[int, int] = {}  # first slot of a half -> launch writing it
+        # ("sample", launch, rows) and ("take", launch, ()) in the order they happened.
+        self.events: list[tuple[str, int, tuple[int, ...]]] = []
 
     # ---- EngineCore's calls -------------------------------------------------
 
@@ -97,29 +100,36 @@ class FakeDevice:
             del row
         return FakeForward(inputs, rows if inputs.sample_rows else None, self.launches)
 
-    def sample(self, forward: FakeForward, first_slot: int, mask: TokenMask | None = None
-               ) -> FakeTokens:
+    def sample(self, forward: FakeForward, first_slot: int, mask: TokenMask | None = None,
+               rows: list[int] | None = None) -> FakeTokens:
         assert forward.launch == self.launches, "a step's sampling came after a later forward"
         tokens = FakeTokens(self, forward.launch)
         if forward.logits is None:
             return tokens
-        half = range(first_slot, first_slot + self.future.rows)
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            for token in seq.token_ids:
-                assert token >= 0 or -token - 1 not in half, (
-                    f"future slots {half.start}.. written again while {seq!r} still waits "
-                    f"for its token from slot {-token - 1}")
-        chosen = list(forward.logits)  # type: ignore[call-overload]
+        model_tokens = list(forward.logits)  # type: ignore[call-overload]
+        rows = list(range(len(model_tokens))) if rows is None else rows
+        self.events.append(("sample", forward.launch, tuple(rows)))
+        if self.half_owner.get(first_slot) != forward.launch:
+            # The first sampling of this launch into this half: nobody may
+            # still wait for a token an earlier launch left there.
+            self.half_owner[first_slot] = forward.launch
+            half = range(first_slot, first_slot + self.future.rows)
+            for seq in (*self.scheduler.running, *self.scheduler.waiting):
+                for token in seq.token_ids:
+                    assert token >= 0 or -token - 1 not in half, (
+                        f"future slots {half.start}.. written again while {seq!r} still "
+                        f"waits for its token from slot {-token - 1}")
+        chosen = [model_tokens[row] for row in rows]
         if mask is not None:
             self.masks_seen.append((forward.launch, list(mask.rows)))
             bits = mask.bitmask.numpy()
-            for row in mask.rows:
-                allowed = [t for t in range(VOCAB) if bits[row, t // 32] >> (t % 32) & 1]
-                if chosen[row] not in allowed:
-                    chosen[row] = allowed[0]
-        for i, token in enumerate(chosen):
-            self.future.buffer[first_slot + i] = token
-            self.slot_writer[first_slot + i] = forward.launch
+            for index in mask.rows:
+                allowed = [t for t in range(VOCAB) if bits[index, t // 32] >> (t % 32) & 1]
+                if chosen[index] not in allowed:
+                    chosen[index] = allowed[0]
+        for row, token in zip(rows, chosen, strict=True):
+            self.future.buffer[first_slot + row] = token
+            self.slot_writer[first_slot + row] = forward.launch
         tokens.tokens = chosen
         return tokens
 
@@ -129,10 +139,13 @@ class FakeDevice:
     # ---- checks -------------------------------------------------------------
 
     def take(self, launch: int) -> None:
+        if self.taken and launch == self.taken[-1]:
+            return  # the second part of a step sampled in two parts
         expected = self.taken[-1] + 1 if self.taken else 1
         assert launch == expected, f"launch {launch}'s tokens taken, expected launch {expected}'s"
         self.taken.append(launch)
         self.overlap.append((launch, self.launches))
+        self.events.append(("take", launch, ()))
 
     @staticmethod
     def _rows_of(inputs: StepInputs) -> list[int]:

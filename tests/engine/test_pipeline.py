@@ -58,9 +58,10 @@ def expected(prompt: list[int], max_tokens: int, stops: Iterable[int] = (),
 
 
 def generate(request_id: str, prompt: list[int], max_tokens: int, stops: Iterable[int] = (),
-             grammar: p.GrammarSpec | None = None) -> p.Generate:
+             grammar: p.GrammarSpec | None = None, report_progress: bool = False) -> p.Generate:
     params = p.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                              stop_token_ids=list(stops), grammar=grammar)
+                              stop_token_ids=list(stops), grammar=grammar,
+                              report_progress=report_progress)
     return p.Generate(request_id, prompt, params)
 
 
@@ -120,13 +121,22 @@ def test_preemption_with_tokens_still_on_the_device(seed: int) -> None:
     core, _, events = make_core(num_pages=12, lanes=4, max_context=40, window=0)
     requests = {
         f"r{i}": generate(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 12))],
-                          rng.randrange(8, 20))
+                          rng.randrange(8, 20), report_progress=True)
         for i in range(8)
     }
     for request in requests.values():
         core.handle(request)
     run(core)
     assert core.scheduler.num_preemptions > 0
+    # Prompt progress is reported while the prompt is processed, never again
+    # when a preempted sequence recomputes it after its first tokens.
+    seen_tokens: set[str] = set()
+    for event in events:
+        for output in event.outputs if isinstance(event, p.StepOutputs) else ():
+            if output.token_ids:
+                seen_tokens.add(output.request_id)
+            elif output.finish_reason is None:
+                assert output.request_id not in seen_tokens, output
     got = results(events)
     for request_id, request in requests.items():
         assert got[request_id] == expected(request.prompt_token_ids, request.params.max_tokens,
@@ -238,3 +248,14 @@ def test_grammar_masks_are_built_after_the_token_before_is_accepted() -> None:
     assert got["g"] == ([(first + i) % VOCAB for i in range(5)], "stop")
     assert got["free"] == expected([2, 7, 1, 8], 10)  # masks stayed on their row
     assert device.masks_seen and all(rows == [0] for _, rows in device.masks_seen)
+    # In the steps both decode, the plain row is sampled before the step
+    # before completes; the grammar row after it (its mask needs that token).
+    order = device.events
+    split = [launch for kind, launch, rows in order
+             if kind == "sample" and rows == (1,) and launch > 1]
+    assert len(split) >= 3, order
+    for launch in split:
+        first = order.index(("sample", launch, (1,)))
+        taken = order.index(("take", launch - 1, ()))
+        second = order.index(("sample", launch, (0,)))
+        assert first < taken < second, order
