@@ -68,13 +68,13 @@ def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % 16 == 0
 
 
-def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear takes (x, weight): a cheap host-side check of
     shapes, dtypes, devices, layout and alignment only (no sync).
 
-    x must be bf16 [M, K] ([M, 2K] when gated), 1 <= M <= SKINNY_MAX_ROWS,
-    contiguous, 16-byte aligned; weight bf16 [N, K], N >= 1, contiguous,
-    16-byte aligned, on x's CUDA device; K a positive multiple of 8.
+    x must be bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, contiguous, 16-byte
+    aligned; weight bf16 [N, K], N >= 1, contiguous, 16-byte aligned, on x's
+    CUDA device; K a positive multiple of 8.
     """
     if not (x.is_cuda and weight.is_cuda and x.device == weight.device):
         return False
@@ -82,10 +82,7 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, gated: bool =
         return False
     if x.dim() != 2 or weight.dim() != 2:
         return False
-    rows, width = x.shape
-    k = width // 2 if gated else width
-    if gated and width % 2:
-        return False
+    rows, k = x.shape
     n, weight_k = weight.shape
     if not 1 <= rows <= SKINNY_MAX_ROWS or weight_k != k or not 1 <= n <= _MAX_N:
         return False
@@ -108,26 +105,19 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for a few rows; with gated, F.linear of
-    SwiGLU(x) (an MLP's down projection after its fused gate/up projection).
+    """F.linear(x, weight, bias) for a few rows.
 
-    x: bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, K a multiple of 8 (gated:
-    [M, 2K], the gate in the first half, as kernels.activation.silu_and_mul
-    takes it); weight: bf16 [N, K] (torch's Linear layout); bias: optional
-    bf16 [N]. Returns (or fills) out, bf16 [M, N] = x @ weight.T (+ bias),
-    products of bf16 accumulated in float32 and rounded to bf16 once; gated,
-    bit for bit silu_and_mul followed by the ungated kernel. out must not
-    overlap the inputs. Raises ValueError for anything else (callers check
+    x: bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, K a multiple of 8;
+    weight: bf16 [N, K] (torch's Linear layout); bias: optional bf16 [N].
+    Returns (or fills) out, bf16 [M, N] = x @ weight.T (+ bias), products of
+    bf16 accumulated in float32 and rounded to bf16 once. out must not overlap
+    the inputs. Raises ValueError for anything else (callers check
     skinny_linear_supported and fall back to F.linear).
     """
     check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
     check_cuda_tensor("weight", weight, dtype=torch.bfloat16, ndim=2, device=x.device)
-    rows, width = x.shape
-    if gated and width % 2:
-        raise ValueError(f"a gated x must be [M, 2K], got {tuple(x.shape)}")
-    k = width // 2 if gated else width
+    rows, k = x.shape
     n = weight.shape[0]
     if not 1 <= rows <= SKINNY_MAX_ROWS:
         raise ValueError(f"x must have 1 to {SKINNY_MAX_ROWS} rows, got {rows}")
@@ -159,8 +149,7 @@ def skinny_linear(
 
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     row_groups, ctas, warps, steps = _layout(n, k, _sm_count(device_index))
-    suffix = "_gated" if gated else ""
-    kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}{suffix}", device_index)
+    kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}", device_index)
     args = (
         ptr(out),
         ptr(x),

@@ -125,6 +125,16 @@ class HostBuffer:
             self._pinned = False
         self._block = torch.empty(0, dtype=torch.uint8)
 
+    def __del__(self) -> None:
+        # A stash dropped without release() (a wake that failed half way)
+        # must not leave its pages registered with CUDA once they are
+        # unmapped: a later mapping of those addresses would collide with the
+        # stale registration (seen on the H200 as "resource already mapped"
+        # in the next large allocation).
+        if getattr(self, "_pinned", False):
+            torch.cuda.synchronize()
+            self.release()
+
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of model by name, a tied parameter once."""

@@ -51,10 +51,6 @@ class ReferenceOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
 
-    def gated_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """An MLP's down projection of SwiGLU(gate_up), gate_up [T, 2I]."""
-        return self.linear(self.silu_and_mul(gate_up), weight)
-
     def attention(
         self,
         config: ModelConfig,
@@ -125,14 +121,6 @@ class CudaOps(ReferenceOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(x)
-
-    def gated_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Where the skinny kernel takes the projection, it applies SwiGLU as it
-        # loads its input: one kernel (and launch) fewer per layer, same bits.
-        if (skinny_linear_supported(gate_up, weight, gated=True)
-                and _skinny_wins(gate_up.shape[0], weight.numel())):
-            return skinny_linear(gate_up, weight, gated=True)
-        return self.linear(self.silu_and_mul(gate_up), weight)
 
     def attention(
         self,

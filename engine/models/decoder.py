@@ -95,7 +95,8 @@ class MLP(nn.Module):
         self.down_weight = _weight(config.hidden_size, config.intermediate_size, **kw)
 
     def forward(self, hidden: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        return ops.gated_linear(ops.linear(hidden, self.gate_up_weight), self.down_weight)
+        return ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_weight)),
+                          self.down_weight)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size

@@ -43,12 +43,6 @@
 // The weight is streamed with L1::no_allocate and an L2 evict_first policy
 // (it is read once per step; x and the other activations should stay).
 // K needs only be a multiple of 8: 16-byte pieces past K load as zeros.
-//
-// Gated variant (an MLP's down projection): x is the fused gate/up projection
-// [M, 2K], and the GEMM's input is SwiGLU of it, silu(gate) * up, computed as
-// each 16-byte piece of x is loaded, with the roundings of the stand-alone
-// kernel (activation.cu), so the result is bit for bit that of the two
-// kernels in a row, minus a launch and the [M, K] round trip.
 #include <cuda_bf16.h>
 
 namespace {
@@ -91,31 +85,6 @@ __device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p, bool valid) {
     return v;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-// 8 bf16 of the GEMM's input at p: x itself, or (gated) SwiGLU of the gate at
-// p and the up projection at p + k, rounded as activation.cu rounds them.
-template <bool kGated>
-__device__ __forceinline__ uint4 load_input(const __nv_bfloat16* p, int k, bool valid) {
-    if constexpr (!kGated) {
-        return load_x(p, valid);
-    } else {
-        const uint4 gate_bits = load_x(p, valid);
-        const uint4 up_bits = load_x(p + k, valid);
-        const __nv_bfloat16* gate = reinterpret_cast<const __nv_bfloat16*>(&gate_bits);
-        const __nv_bfloat16* up = reinterpret_cast<const __nv_bfloat16*>(&up_bits);
-        uint4 result;
-        __nv_bfloat16* r = reinterpret_cast<__nv_bfloat16*>(&result);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float activated =
-                __bfloat162float(__float2bfloat16(silu(__bfloat162float(gate[i]))));
-            r[i] = __float2bfloat16(activated * __bfloat162float(up[i]));
-        }
-        return result;
-    }
-}
-
 __device__ __forceinline__ void prefetch_l2(const __nv_bfloat16* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
@@ -133,8 +102,8 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], unsigned a_lo, unsigne
 
 // One CTA: rows [blockIdx.x * 8 * RG, + 8 * RG) of the output columns, all M
 // x rows. blockDim.x = 32 * W, W <= 32 (RG = 1) or 8 (RG = 2);
-// steps = ceil(K / 128). kGated: x is [M, 2K], the input SwiGLU of it.
-template <int M, int RG, bool kGated>
+// steps = ceil(K / 128).
+template <int M, int RG>
 __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out,
                                                  const __nv_bfloat16* __restrict__ x,
                                                  const __nv_bfloat16* __restrict__ weight,
@@ -163,8 +132,7 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
         w_row[rg] = weight + static_cast<long long>(w_valid[rg] ? row : 0) * k + 8 * t;
     }
     const bool x_valid = g < M;
-    const long long x_stride = kGated ? 2LL * k : static_cast<long long>(k);
-    const __nv_bfloat16* x_row = x + (x_valid ? g : 0) * x_stride + 8 * t;
+    const __nv_bfloat16* x_row = x + static_cast<long long>(x_valid ? g : 0) * k + 8 * t;
 
     // This warp's next step goes into L2 while it waits for the current one
     // (no registers held): lane l prefetches 128-byte line l & 1 of the
@@ -209,7 +177,7 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
 #pragma unroll
         for (int j = 0; j < kPieces; ++j) {
             const int offset = k0 + 32 * j;
-            xv[j] = load_input<kGated>(x_row + offset, k, x_valid && offset + 8 * t < k);
+            xv[j] = load_x(x_row + offset, x_valid && offset + 8 * t < k);
         }
 #pragma unroll
         for (int j = 0; j < kPieces; ++j) {
@@ -259,21 +227,19 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
 
 // RG = 1: up to 32 warps per CTA (few rows, long K); RG = 2: up to 8 warps,
 // at most 80 registers so that 3 CTAs of 256 threads fit on an SM.
-#define SKINNY_GEMM_KERNEL(M, RG, THREADS, MIN_BLOCKS, GATED, SUFFIX)                      \
+#define SKINNY_GEMM_KERNEL(M, RG, THREADS, MIN_BLOCKS)                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                      \
-        skinny_gemm_m##M##_rg##RG##SUFFIX(__nv_bfloat16* __restrict__ out,                 \
-                                          const __nv_bfloat16* __restrict__ x,             \
-                                          const __nv_bfloat16* __restrict__ weight,        \
-                                          const __nv_bfloat16* __restrict__ bias,          \
-                                          int n_rows, int k, int steps) {                  \
-        skinny_gemm_body<M, RG, GATED>(out, x, weight, bias, n_rows, k, steps);            \
+        skinny_gemm_m##M##_rg##RG(__nv_bfloat16* __restrict__ out,                         \
+                                  const __nv_bfloat16* __restrict__ x,                     \
+                                  const __nv_bfloat16* __restrict__ weight,                \
+                                  const __nv_bfloat16* __restrict__ bias, int n_rows, int k, \
+                                  int steps) {                                             \
+        skinny_gemm_body<M, RG>(out, x, weight, bias, n_rows, k, steps);                   \
     }
 
-#define SKINNY_GEMM_KERNELS(M)                            \
-    SKINNY_GEMM_KERNEL(M, 1, 1024, 1, false, )            \
-    SKINNY_GEMM_KERNEL(M, 2, 256, 3, false, )             \
-    SKINNY_GEMM_KERNEL(M, 1, 1024, 1, true, _gated)       \
-    SKINNY_GEMM_KERNEL(M, 2, 256, 3, true, _gated)
+#define SKINNY_GEMM_KERNELS(M)             \
+    SKINNY_GEMM_KERNEL(M, 1, 1024, 1)      \
+    SKINNY_GEMM_KERNEL(M, 2, 256, 3)
 
 SKINNY_GEMM_KERNELS(1)
 SKINNY_GEMM_KERNELS(2)

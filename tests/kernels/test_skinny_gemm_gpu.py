@@ -119,28 +119,6 @@ def test_cuda_graph_replay_with_new_x(n: int, k: int, rows: int) -> None:
         assert_rows_close(out, exact_linear(new_x, weight64, bias), f"replay seed {seed}")
 
 
-# (N, K) of down projections: Qwen3-0.6B, Qwen3-8B, SmolLM2, and odd shapes.
-GATED_SHAPES = [(1024, 3072), (4096, 12288), (576, 1536), (9, 576), (33, 24), (4097, 264)]
-
-
-@pytest.mark.parametrize(("n", "k"), GATED_SHAPES)
-def test_gated_equals_swiglu_then_linear_bit_for_bit(n: int, k: int) -> None:
-    """The down projection with SwiGLU applied as x is loaded equals the two
-    kernels in a row exactly, for every row count, with and without bias."""
-    from kernels.activation import silu_and_mul
-    from kernels.skinny_gemm import SKINNY_MAX_ROWS, skinny_linear, skinny_linear_supported
-
-    weight, bias = random_weight(n, k, seed=21)
-    for rows in range(1, SKINNY_MAX_ROWS + 1):
-        gate_up = random_x(rows, 2 * k, seed=22 + rows)
-        assert skinny_linear_supported(gate_up, weight, gated=True)
-        assert not skinny_linear_supported(gate_up, weight)  # 2K is not the weight's K
-        for b in (None, bias):
-            fused = skinny_linear(gate_up, weight, b, gated=True)
-            two_kernels = skinny_linear(silu_and_mul(gate_up), weight, b)
-            assert torch.equal(fused, two_kernels), (n, k, rows, b is not None)
-
-
 def test_supported_checks() -> None:
     from kernels.skinny_gemm import skinny_linear_supported
 
