@@ -27,14 +27,22 @@ from protocol.messages import (
     Sleep,
     Slept,
     StepOutputs,
+    TokenLogprobs,
     Wake,
     command_decoder,
     encoder,
     event_decoder,
 )
-from protocol.sampling import FinishReason, GrammarKind, GrammarSpec, SamplingParams
+from protocol.sampling import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    GrammarKind,
+    GrammarSpec,
+    SamplingParams,
+)
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "PROTOCOL_VERSION",
     "Abort",
     "Awake",
@@ -61,6 +69,7 @@ __all__ = [
     "Sleep",
     "Slept",
     "StepOutputs",
+    "TokenLogprobs",
     "Wake",
     "command_decoder",
     "encoder",

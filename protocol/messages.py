@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -142,6 +142,16 @@ class Ready(msgspec.Struct, tag="ready", **_STRUCT):
     memory: MemoryFacts = MemoryFacts()
 
 
+class TokenLogprobs(msgspec.Struct, **_STRUCT):
+    """One sampled token's log probability and, if asked, the most likely
+    tokens' at its position (most likely first), from the model's raw
+    distribution (SamplingParams.logprobs)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct, **_STRUCT):
     request_id: str
     # Tokens sampled for this request in this step (empty while prefilling).
@@ -153,6 +163,8 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     # Prompt tokens processed so far (cached ones included); sent after each
     # prefill chunk when SamplingParams.report_progress is set.
     num_computed_tokens: int = 0
+    # One per token of token_ids when SamplingParams.logprobs >= 0.
+    logprobs: list[TokenLogprobs] = []
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):

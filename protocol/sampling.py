@@ -26,6 +26,11 @@ class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     source: str = ""
 
 
+# The most alternatives a token's log probabilities list (OpenAI's top_logprobs
+# bound; llama.cpp's n_probs is capped to it).
+MAX_TOP_LOGPROBS = 20
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """Per-request sampling settings, already validated by the router.
 
@@ -60,6 +65,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # and llama.cpp's logit_bias); -inf bans a token. Ids are checked against
     # the vocabulary by the router.
     logit_bias: dict[int, float] = {}
+    # Log probabilities returned with each sampled token, from the model's own
+    # distribution (before logit_bias, penalties, grammar masks and
+    # temperature): -1 none; 0 the sampled token's; k > 0 also the k most
+    # likely tokens' (at most MAX_TOP_LOGPROBS).
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:

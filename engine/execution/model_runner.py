@@ -38,9 +38,11 @@ from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, mak
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
+from engine.sampling.logprobs import HostLogprobs, RowLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import SchedulerOutput
+from protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -268,16 +270,20 @@ class ModelRunner:
         if rows is not None:
             logits = logits.index_select(0, self._rows(rows))
             seqs = [seqs[row] for row in rows]
+        # Before the sampler biases, masks and scales the logits in place.
+        asked = RowLogprobs.of(logits, seqs)
         if not self.sampler.use_kernel:
             # The reference sampler draws on the host's schedule (torch
             # generators); its tokens are known at once.
             tokens = self.sampler.sample(logits, seqs, mask)
-            self.future.write(first_slot, torch.tensor(tokens, dtype=torch.int64).to(self.device),
-                              rows)
-            return SampledTokens(tokens)
+            device_tokens = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+            self.future.write(first_slot, device_tokens, rows)
+            return SampledTokens(tokens, logprobs=asked.to_host(device_tokens) if asked else None)
         device_tokens = self.sampler.sample_on_device(logits, seqs, mask)
         self.future.write(first_slot, device_tokens, rows)
-        return self._to_host(device_tokens)
+        # Queued before the tokens' copy, so its done event covers them too.
+        logprobs = asked.to_host(device_tokens) if asked else None
+        return self._to_host(device_tokens, logprobs)
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """float32 logits of the rows that sample, or None if none does."""
@@ -301,7 +307,8 @@ class ModelRunner:
             hidden = hidden.index_select(0, self._rows(inputs.sample_rows))
         return self.model.compute_logits(hidden)
 
-    def _to_host(self, tokens: torch.Tensor) -> SampledTokens:
+    def _to_host(self, tokens: torch.Tensor, logprobs: HostLogprobs | None = None
+                 ) -> SampledTokens:
         """Copy tokens into the next page-locked buffer (the others may still
         be read for the steps before) and mark when the copy is done."""
         self._host_turn = (self._host_turn + 1) % len(self._host_tokens)
@@ -315,7 +322,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return SampledTokens(buffer[: tokens.numel()], done)
+        return SampledTokens(buffer[: tokens.numel()], done, logprobs)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -341,12 +348,14 @@ class StepForward:
 
 
 class SampledTokens:
-    """A step's sampled tokens, on their way to the host."""
+    """A step's sampled tokens (and the log probabilities of the rows that
+    asked for them), on their way to the host."""
 
-    def __init__(self, tokens: list[int] | torch.Tensor, done: torch.cuda.Event | None = None
-                 ) -> None:
+    def __init__(self, tokens: list[int] | torch.Tensor, done: torch.cuda.Event | None = None,
+                 logprobs: HostLogprobs | None = None) -> None:
         self._tokens = tokens
         self._done = done
+        self._logprobs = logprobs
 
     def tolist(self) -> list[int]:
         """The tokens, once the device has them copied (waits for that)."""
@@ -355,3 +364,8 @@ class SampledTokens:
         if self._done is not None:
             self._done.synchronize()
         return self._tokens.tolist()
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per sampled row, its log probabilities or None (after tolist())."""
+        count = len(self._tokens)
+        return self._logprobs.per_row(count) if self._logprobs is not None else [None] * count

@@ -47,6 +47,7 @@ from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from protocol import (
+    MAX_TOP_LOGPROBS,
     Abort,
     Awake,
     EngineEvent,
@@ -61,6 +62,7 @@ from protocol import (
     Sleep,
     Slept,
     StepOutputs,
+    TokenLogprobs,
     Wake,
 )
 
@@ -235,6 +237,10 @@ class EngineCore:
             return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
         if command.params.max_tokens < 1:
             return ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1"
+        if command.params.logprobs > MAX_TOP_LOGPROBS:
+            return (ErrorCode.INVALID_REQUEST,
+                    f"logprobs asks for {command.params.logprobs} alternatives; at most "
+                    f"{MAX_TOP_LOGPROBS}")
         bad = next((t for t in command.params.logit_bias if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return (ErrorCode.INVALID_REQUEST,
@@ -340,8 +346,9 @@ class EngineCore:
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""
         out = flight.out
-        sampled = self._taken(flight)
+        sampled, logprobs = self._taken(flight)
         sampling = [chunk for chunk in out.chunks if chunk.samples]
+        logprobs_of = {id(chunk): lp for chunk, lp in zip(sampling, logprobs, strict=True)}
         # Sequences that finished or were aborted since launch: their work is dropped.
         gone = {id(chunk.seq) for chunk in out.chunks if chunk.seq.status is SeqStatus.FINISHED}
         live = [(chunk.seq, token) for chunk, token in zip(sampling, sampled, strict=True)
@@ -357,7 +364,9 @@ class EngineCore:
             seq = chunk.seq
             if seq.request_id in verdict.rejected:
                 continue
-            self._pending.append(self._output(seq, [seq.token_ids[chunk.token_index]]))
+            row_logprobs = logprobs_of[id(chunk)]
+            self._pending.append(self._output(seq, [seq.token_ids[chunk.token_index]],
+                                              [row_logprobs] if row_logprobs else []))
             if seq.finish_reason is not None:
                 self._forget(seq.request_id)
         for request_id, message in verdict.rejected.items():
@@ -365,17 +374,22 @@ class EngineCore:
         self._account(flight, len(sampled))
 
     @staticmethod
-    def _taken(flight: InFlight) -> list[int]:
-        """The step's tokens in sampling-row order, its parts put together."""
+    def _taken(flight: InFlight) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's tokens and their log probabilities (None for rows that
+        did not ask) in sampling-row order, its parts put together."""
         ((rows, first), *rest) = flight.tokens
         if not rest and rows is None:
-            return first.tolist()
+            return first.tolist(), first.logprobs()
         count = sum(1 for chunk in flight.out.chunks if chunk.samples)
         sampled = [0] * count
+        logprobs: list[TokenLogprobs | None] = [None] * count
         for rows, part in flight.tokens:
-            for row, token in zip(rows or range(count), part.tolist(), strict=True):
+            order = rows or range(count)
+            for row, token, row_logprobs in zip(order, part.tolist(), part.logprobs(),
+                                                strict=True):
                 sampled[row] = token
-        return sampled
+                logprobs[row] = row_logprobs
+        return sampled, logprobs
 
     def _account(self, flight: InFlight, num_sampled: int) -> None:
         stats = self._stats
@@ -404,13 +418,15 @@ class EngineCore:
         self.sampler.forget(request_id)
         self.grammar.forget(request_id)
 
-    def _output(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int],
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs or [],
         )
 
     def _progress(self, seq: Sequence, computed: int) -> RequestOutput:

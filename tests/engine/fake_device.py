@@ -58,6 +58,9 @@ class FakeTokens:
         self.taken = True
         return self.tokens
 
+    def logprobs(self) -> list[None]:
+        return [None] * len(self.tokens)
+
 
 class FakeDevice:
     def __init__(self, scheduler: Scheduler, lanes: int) -> None:

@@ -86,21 +86,6 @@ def prompts(model: Path) -> dict[str, list[int]]:
     return rendered
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def qwen3_reference(tiny_qwen3_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("which", ["smollm2", "qwen3"])
 def test_greedy_tokens_match_transformers_solo_and_batched(
     which: str, request: pytest.FixtureRequest

@@ -356,3 +356,37 @@ def test_a_kv_capacity_beyond_the_device_is_refused_clearly(tiny_qwen3_gpu: Path
         _engine(tiny_qwen3_gpu, kv_capacity_tokens=1_000_000_000)
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _logprobs_run(core: EngineCore, events: list[p.EngineEvent], prompts: dict[str, list[int]],
+                  params: dict[str, p.SamplingParams]) -> dict[str, list[p.TokenLogprobs]]:
+    outputs = step_outputs(run_to_completion(core, events, {rid: (ids, params[rid])
+                                                            for rid, ids in prompts.items()}))
+    found: dict[str, list[p.TokenLogprobs]] = {rid: [] for rid in prompts}
+    for output in outputs:
+        found[output.request_id].extend(output.logprobs)
+    return found
+
+
+def test_logprobs_with_graphs_equal_logprobs_without(tiny_qwen3_gpu: Path) -> None:
+    """Rows asking for log probabilities next to rows that do not: the
+    decode graphs' and the padded chunk steps' logprobs equal the eager path's,
+    and a greedy token's is the most likely one's."""
+    prompts = {f"r{i}": list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)}
+    asking = p.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    params = {rid: asking if i % 2 == 0 else GREEDY for i, rid in enumerate(prompts)}
+    core, events = _engine(tiny_qwen3_gpu)
+    graphs = _logprobs_run(core, events, prompts, params)
+    _release(core)
+    core, events = _engine(tiny_qwen3_gpu, cuda_graph=False)
+    eager = _logprobs_run(core, events, prompts, params)
+    _release(core)
+    assert graphs == eager
+    for rid, entries in graphs.items():
+        if params[rid] is GREEDY:
+            assert entries == []
+            continue
+        assert len(entries) == 12
+        for entry in entries:
+            assert entry.logprob == entry.top_logprobs[0] and len(entry.top_ids) == 5
+            assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)

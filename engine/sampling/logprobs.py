@@ -1,0 +1,88 @@
+"""Log probabilities of sampled tokens, for the rows of a step that ask.
+
+They come from the model's own distribution: log_softmax of the raw logits,
+taken before the sampler adds a logit_bias, applies penalties, masks a
+grammar's forbidden tokens or divides by the temperature (vLLM's default
+"raw_logprobs"; what OpenAI's clients compare across requests). A step
+computes them only for its rows with SamplingParams.logprobs >= 0, on the
+logits' device, and copies them to the host with the sampled tokens: a row
+that did not ask costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduling.sequence import Sequence
+from protocol import TokenLogprobs
+
+
+@dataclass
+class RowLogprobs:
+    """log_softmax of the asking rows, taken before sampling changes the logits."""
+
+    rows: list[int]  # indices among the sampled rows
+    counts: list[int]  # alternatives each row asked for
+    logprobs: torch.Tensor  # float32 [R, vocab]
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [R, max count]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, seqs: Seq[Sequence]) -> RowLogprobs | None:
+        """For logits [N, vocab] of seqs (row i to seqs[i]); None when no row asks."""
+        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs >= 0]
+        if not rows:
+            return None
+        counts = [seqs[row].params.logprobs for row in rows]
+        chosen = logits if len(rows) == len(seqs) else logits.index_select(0, _index(rows, logits))
+        logprobs = torch.log_softmax(chosen.float(), dim=-1)
+        widest = max(counts)
+        top = logprobs.topk(widest, dim=-1) if widest > 0 else None
+        return cls(rows, counts, logprobs, (top.values, top.indices) if top else None)
+
+    def to_host(self, tokens: torch.Tensor) -> HostLogprobs:
+        """Gather the sampled tokens' (tokens: int64 [N] of all sampled rows)
+        and start copying everything to the host; the caller marks when the
+        copies are done."""
+        device = self.logprobs.device
+        picked = tokens.index_select(0, _index(self.rows, tokens)) if len(self.rows) < len(tokens) \
+            else tokens
+        sampled = self.logprobs.gather(1, picked.view(-1, 1)).view(-1)
+        pin = device.type == "cuda"
+
+        def host(tensor: torch.Tensor) -> torch.Tensor:
+            if not pin:
+                return tensor
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return copy.copy_(tensor, non_blocking=True)
+
+        top = (host(self.top[0]), host(self.top[1])) if self.top is not None else None
+        return HostLogprobs(self.rows, self.counts, host(sampled), top)
+
+
+@dataclass
+class HostLogprobs:
+    rows: list[int]
+    counts: list[int]
+    sampled: torch.Tensor  # float32 [R]
+    top: tuple[torch.Tensor, torch.Tensor] | None
+
+    def per_row(self, num_rows: int) -> list[TokenLogprobs | None]:
+        """One entry per sampled row of the part (None for rows that did not
+        ask); read only once the copies are done."""
+        result: list[TokenLogprobs | None] = [None] * num_rows
+        sampled = self.sampled.tolist()
+        values = self.top[0].tolist() if self.top is not None else None
+        ids = self.top[1].tolist() if self.top is not None else None
+        for i, (row, count) in enumerate(zip(self.rows, self.counts, strict=True)):
+            if values is None or ids is None or count == 0:
+                result[row] = TokenLogprobs(sampled[i])
+            else:
+                result[row] = TokenLogprobs(sampled[i], ids[i][:count], values[i][:count])
+        return result
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).to(like.device, non_blocking=True)
