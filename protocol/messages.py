@@ -165,6 +165,10 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     num_computed_tokens: int = 0
     # One per token of token_ids when SamplingParams.logprobs >= 0.
     logprobs: list[TokenLogprobs] = []
+    # With SamplingParams.prompt_logprobs >= 0: those of the prompt tokens
+    # this step scored, in order, continuing the ones sent before (the first
+    # prompt token has none); all of them arrive before the first sampled token.
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):

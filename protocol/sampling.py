@@ -70,6 +70,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # temperature): -1 none; 0 the sampled token's; k > 0 also the k most
     # likely tokens' (at most MAX_TOP_LOGPROBS).
     logprobs: int = -1
+    # The same for every prompt token after the first (each given the tokens
+    # before it): OpenAI's echo with logprobs, lm-eval's loglikelihood. With
+    # it max_tokens may be 0: the prompt is scored and nothing generated.
+    # Such a request does not take its prompt from the prefix cache.
+    prompt_logprobs: int = -1
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, mak
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
-from engine.sampling.logprobs import HostLogprobs, RowLogprobs
+from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import SchedulerOutput
@@ -253,9 +253,31 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> StepForward:
         """Launch the forward pass of a scheduled step; placeholder input ids
-        (tokens still on the device) are read from the future-token buffer."""
+        (tokens still on the device) are read from the future-token buffer.
+        A step that scores prompt tokens runs eagerly: it needs the hidden
+        states of those positions, which no graph keeps."""
         inputs = build_step_inputs(out, self.page_size)
-        return StepForward(inputs, self._logits(inputs))
+        if not any(chunk.scored for chunk in out.chunks):
+            return StepForward(inputs, self._logits(inputs))
+        hidden = self._forward(inputs)
+        scores: list[tuple[int, PromptScores]] = []
+        for index, chunk in enumerate(out.chunks):
+            if chunk.scored is None:
+                continue
+            first, last = chunk.scored
+            row = int(inputs.query_start_loc[index]) + first - chunk.start
+            targets = chunk.seq.token_ids[first + 1 : last + 1]
+            # Logits a lane's worth of rows at a time: what the step's memory
+            # was measured with (engine/execution/gpu_memory.py).
+            scores.append((index, PromptScores.of(
+                hidden[row : row + last - first], targets, chunk.seq.params.prompt_logprobs,
+                max(self.max_batch, 1), self.model.compute_logits)))
+        logits = None
+        if inputs.sample_rows:
+            rows = hidden if len(inputs.sample_rows) == inputs.num_tokens else \
+                hidden.index_select(0, self._rows(inputs.sample_rows))
+            logits = self.model.compute_logits(rows)
+        return StepForward(inputs, logits, scores)
 
     @torch.inference_mode()
     def sample(self, step: StepForward, first_slot: int, mask: TokenMask | None = None,
@@ -345,6 +367,8 @@ class StepForward:
 
     inputs: StepInputs
     logits: torch.Tensor | None
+    # (chunk index, its prompt scores) for the chunks that score prompt tokens.
+    scores: list[tuple[int, PromptScores]] = field(default_factory=list)
 
 
 class SampledTokens:

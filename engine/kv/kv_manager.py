@@ -34,6 +34,9 @@ class KVManager:
         """
         pages: list[int] = []
         hashes: list[bytes] = []
+        if seq.params.prompt_logprobs >= 0:
+            # Scoring needs every prompt position's logits: nothing is skipped.
+            return pages, hashes
         parent = ROOT_HASH
         ps = self.page_size
         for index in range((seq.num_tokens - 1) // ps):

@@ -11,6 +11,7 @@ that did not ask costs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -82,6 +83,44 @@ class HostLogprobs:
             else:
                 result[row] = TokenLogprobs(sampled[i], ids[i][:count], values[i][:count])
         return result
+
+
+@dataclass
+class PromptScores:
+    """Log probabilities of some prompt tokens, each given the tokens before
+    it: the raw distribution at the positions before them."""
+
+    sampled: torch.Tensor  # float32 [n], of the prompt token at each next position
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [n, count]
+    count: int
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, targets: list[int], count: int, block: int,
+           compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PromptScores:
+        """hidden [n, H] of the positions, targets the n tokens after them;
+        logits are made `block` rows at a time, so a long prompt never holds
+        a whole [n, vocab] matrix."""
+        target = torch.tensor(targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        sampled, values, ids = [], [], []
+        for start in range(0, hidden.shape[0], block):
+            logprobs = torch.log_softmax(compute_logits(hidden[start : start + block]).float(),
+                                         dim=-1)
+            sampled.append(logprobs.gather(1, target[start : start + block].view(-1, 1)).view(-1))
+            if count:
+                top = logprobs.topk(count, dim=-1)
+                values.append(top.values)
+                ids.append(top.indices)
+        top_pair = (torch.cat(values), torch.cat(ids)) if count else None
+        return cls(torch.cat(sampled), top_pair, count)
+
+    def entries(self) -> list[TokenLogprobs]:
+        """On the host (waits for the device)."""
+        sampled = self.sampled.tolist()
+        if self.top is None:
+            return [TokenLogprobs(value) for value in sampled]
+        values, ids = self.top[0].tolist(), self.top[1].tolist()
+        return [TokenLogprobs(value, row_ids, row_values)
+                for value, row_ids, row_values in zip(sampled, ids, values, strict=True)]
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:

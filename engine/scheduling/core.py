@@ -36,15 +36,16 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from engine.execution.model_runner import ModelRunner, SampledTokens, StepForward
 from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarError
+from engine.sampling.logprobs import PromptScores
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
-from engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from protocol import (
     MAX_TOP_LOGPROBS,
@@ -86,6 +87,8 @@ class InFlight:
     prefill_tokens: int
     decode_tokens: int
     launched_at: float
+    # Prompt tokens scored by this step: (chunk, their log probabilities).
+    scores: list[tuple[ScheduledChunk, PromptScores]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -226,7 +229,8 @@ class EngineCore:
             return ErrorCode.DUPLICATE_REQUEST, f"request id {command.request_id!r} is already running"
         if not prompt:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
-        if len(prompt) >= max_context:
+        only_scored = command.params.max_tokens == 0 and command.params.prompt_logprobs >= 0
+        if len(prompt) > max_context or (len(prompt) == max_context and not only_scored):
             return (
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {len(prompt)} tokens; this model's context is {max_context} "
@@ -235,12 +239,16 @@ class EngineCore:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
-        if command.params.max_tokens < 1:
-            return ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1"
-        if command.params.logprobs > MAX_TOP_LOGPROBS:
+        params = command.params
+        scores_prompt = params.prompt_logprobs >= 0
+        if params.max_tokens < (0 if scores_prompt else 1):
             return (ErrorCode.INVALID_REQUEST,
-                    f"logprobs asks for {command.params.logprobs} alternatives; at most "
-                    f"{MAX_TOP_LOGPROBS}")
+                    "max_tokens must be at least 1 (0 only when the prompt is scored)")
+        for name, count in (("logprobs", params.logprobs),
+                            ("prompt_logprobs", params.prompt_logprobs)):
+            if count > MAX_TOP_LOGPROBS:
+                return (ErrorCode.INVALID_REQUEST,
+                        f"{name} asks for {count} alternatives; at most {MAX_TOP_LOGPROBS}")
         bad = next((t for t in command.params.logit_bias if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return (ErrorCode.INVALID_REQUEST,
@@ -303,6 +311,7 @@ class EngineCore:
                 mask = self.grammar.fill([sampling[row] for row in put_off])
                 parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
             launched = self._launched(out, parts, launched_at)
+            launched.scores = [(out.chunks[index], scores) for index, scores in forward.scores]
             self.step_count += 1
         self._in_flight = launched
         self._publish()
@@ -360,11 +369,18 @@ class EngineCore:
         # (A sequence preempted since launch reports again when recomputed.)
         self._pending.extend(self._progress(seq, computed) for seq, computed in flight.reporting
                              if id(seq) not in gone and seq.status is not SeqStatus.WAITING)
+        # Then the prompt tokens scored, before any token sampled after them.
+        self._pending.extend(self._scored(chunk.seq, scores) for chunk, scores in flight.scores
+                             if id(chunk.seq) not in gone)
         for chunk in changed:
             seq = chunk.seq
             if seq.request_id in verdict.rejected:
                 continue
-            row_logprobs = logprobs_of[id(chunk)]
+            if chunk.token_index < 0:  # a prompt scored, nothing generated
+                self._pending.append(self._output(seq, []))
+                self._forget(seq.request_id)
+                continue
+            row_logprobs = logprobs_of.get(id(chunk))
             self._pending.append(self._output(seq, [seq.token_ids[chunk.token_index]],
                                               [row_logprobs] if row_logprobs else []))
             if seq.finish_reason is not None:
@@ -427,6 +443,16 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs or [],
+        )
+
+    def _scored(self, seq: Sequence, scores: PromptScores) -> RequestOutput:
+        """Log probabilities of prompt tokens (no tokens, no finish reason)."""
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=scores.entries(),
         )
 
     def _progress(self, seq: Sequence, computed: int) -> RequestOutput:

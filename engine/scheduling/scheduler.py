@@ -53,10 +53,15 @@ class ScheduledChunk:
     samples: bool = None  # type: ignore[assignment]
     # Where the sampled token goes in seq.token_ids (add_pending_tokens()).
     token_index: int = -1
+    # Prompt positions [first, last) whose next token's log probabilities this
+    # step computes (SamplingParams.prompt_logprobs), or None.
+    scored: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.samples is None:
-            self.samples = self.start + self.num_tokens == self.seq.num_tokens
+            # A request scoring its prompt with max_tokens 0 samples nothing.
+            self.samples = (self.start + self.num_tokens == self.seq.num_tokens
+                            and self.seq.params.max_tokens > 0)
 
 
 @dataclass(slots=True)
@@ -130,8 +135,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
-            if self._ends_by_length(seq):
-                # Its newest token, still on the device, is its last.
+            if seq.num_uncomputed_tokens == 0:
+                # A prompt scored to its end (max_tokens 0): it finishes when
+                # its last step completes.
+                continue
+            if seq.num_output_tokens and self._ends_by_length(seq):
+                # Its newest token, still on the device, is its last. (A
+                # prompt being scored has no output: its last prompt token
+                # still needs computing.)
                 continue
             if not self._grow_or_preempt(seq, out):
                 continue
@@ -166,9 +177,19 @@ class Scheduler:
             # guarantees it); fail loudly rather than spin.
             raise RuntimeError(f"scheduler stalled: {self.waiting[0]!r} can never be admitted")
         for chunk in out.chunks:
+            seq = chunk.seq
+            end = chunk.start + chunk.num_tokens
+            if seq.params.prompt_logprobs >= 0:
+                # Each position scores the prompt token after it, once (a
+                # recompute after a preemption scores nothing again).
+                first = max(chunk.start, seq.num_prompt_scored)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    chunk.scored = (first, last)
+                    seq.num_prompt_scored = last
             # Computed as far as the scheduler is concerned: the device runs
             # this step before any later one reads these pages.
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            seq.num_computed_tokens = end
         return out
 
     def _ends_by_length(self, seq: Sequence) -> bool:
@@ -219,7 +240,9 @@ class Scheduler:
         `completed` names requests whose grammar is complete, which stop
         whatever their token (ignore_eos too). Sequences that finished (or were
         aborted) since this step was scheduled are skipped. Returns the
-        chunks whose sequence got a token (at seq.token_ids[chunk.token_index])."""
+        chunks whose sequence got a token (at seq.token_ids[chunk.token_index]),
+        or finished without one (a prompt scored with max_tokens 0: token_index
+        -1)."""
         changed: list[ScheduledChunk] = []
         tokens = iter(sampled)
         for chunk in out.chunks:
@@ -234,6 +257,12 @@ class Scheduler:
                 # input is this step's sample), so full pages can be hashed.
                 self.kv.commit(seq)
             if token is None:
+                if (seq.params.max_tokens == 0 and seq.status is SeqStatus.RUNNING
+                        and chunk.start + chunk.num_tokens >= seq.num_prompt_tokens):
+                    # The prompt is scored; nothing was to be generated.
+                    self.running.remove(seq)
+                    self._finish(seq, "length")
+                    changed.append(chunk)
                 continue
             changed.append(chunk)
             reason = ("stop" if seq.request_id in completed

@@ -24,6 +24,7 @@ class Sequence:
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_prompt_scored",
         "num_prompt_tokens",
         "params",
         "request_id",
@@ -47,6 +48,9 @@ class Sequence:
         self.num_cached_tokens = 0
         # Pages this sequence may grow into without preemption (see KVManager).
         self.reserved_pages = 0
+        # Prompt positions whose next token's log probabilities a scheduled
+        # step computes (SamplingParams.prompt_logprobs); never scored twice.
+        self.num_prompt_scored = 0
         self.finish_reason: FinishReason | None = None
 
     def __repr__(self) -> str:

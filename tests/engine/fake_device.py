@@ -43,6 +43,7 @@ class FakeForward:
     inputs: StepInputs
     logits: object  # "rows" stand-in: the model's token per sampling row, once run
     launch: int
+    scores: list[object] = field(default_factory=list)  # no prompt scoring here
 
 
 @dataclass

@@ -98,3 +98,49 @@ def test_too_many_alternatives_is_a_request_error(tiny_qwen3_dir: Path) -> None:
     core.handle(p.Generate("many", [10, 11], params(p.MAX_TOP_LOGPROBS + 1)))
     (error,) = [e for e in events if isinstance(e, p.RequestError)]
     assert error.code == p.ErrorCode.INVALID_REQUEST and "logprobs" in error.message
+
+
+def test_scoring_a_prompt_equals_transformers_and_generates_nothing(
+        tiny_qwen3_dir: Path, qwen3_reference: torch.nn.Module) -> None:
+    core, events = in_process.make_engine(tiny_qwen3_dir, **SMALL_STEPS)
+    prompt = prompts(tiny_qwen3_dir)["long"]  # several 24-token prefill chunks
+    score = p.SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=3)
+    outputs = [o for e in run_to_completion(core, events, {"s": (prompt, score)})
+               for o in e.outputs]  # type: ignore[union-attr]
+    entries = [entry for o in outputs for entry in o.prompt_logprobs]
+    assert [o.token_ids for o in outputs if o.token_ids] == []
+    assert outputs[-1].finish_reason == "length"
+    assert len(entries) == len(prompt) - 1  # every token but the first
+    with torch.inference_mode():
+        logits = qwen3_reference(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits[:-1], dim=-1)
+    for position, entry in enumerate(entries):
+        row = expected[position]
+        assert math.isclose(entry.logprob, float(row[prompt[position + 1]]), abs_tol=1e-4)
+        assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    # Scoring never takes the prompt from the prefix cache (it needs every
+    # position's logits), though a plain request after it may.
+    again = [o for e in run_to_completion(core, events, {"s2": (prompt, score)})
+             for o in e.outputs]  # type: ignore[union-attr]
+    assert all(o.num_cached_tokens == 0 for o in again)
+    assert [e for o in again for e in o.prompt_logprobs] == entries
+
+
+def test_prompt_scores_come_before_the_generated_tokens(tiny_qwen3_dir: Path) -> None:
+    core, events = in_process.make_engine(tiny_qwen3_dir, **SMALL_STEPS)
+    prompt = prompts(tiny_qwen3_dir)["pages"]
+    echo = params(0, max_tokens=4, prompt_logprobs=0)
+    outputs = [o for e in run_to_completion(core, events, {"e": (prompt, echo)})
+               for o in e.outputs]  # type: ignore[union-attr]
+    kinds = ["prompt" if o.prompt_logprobs else "token" for o in outputs
+             if o.prompt_logprobs or o.token_ids]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "prompt") and "token" in kinds
+    assert sum(len(o.prompt_logprobs) for o in outputs) == len(prompt) - 1
+    assert sum(len(o.logprobs) for o in outputs) == 4
+
+
+def test_max_tokens_zero_needs_prompt_scoring(tiny_qwen3_dir: Path) -> None:
+    core, events = in_process.make_engine(tiny_qwen3_dir, **SMALL_STEPS)
+    core.handle(p.Generate("zero", [10, 11], params(-1, max_tokens=0)))
+    (error,) = [e for e in events if isinstance(e, p.RequestError)]
+    assert error.code == p.ErrorCode.INVALID_REQUEST and "max_tokens" in error.message

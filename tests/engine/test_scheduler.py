@@ -213,3 +213,17 @@ def test_random_workloads_keep_the_books_balanced(seed: int) -> None:
     assert finished > 10
     assert sched.kv.pool.num_free == sched.kv.pool.num_pages
     assert sched.kv.outstanding == 0
+
+
+def test_a_preempted_scoring_request_scores_no_position_twice() -> None:
+    sched = make_scheduler(budget=8)
+    scoring = Sequence("s", list(range(1, 21)), SamplingParams(max_tokens=0, prompt_logprobs=0))
+    sched.add(scoring)
+    first = sched.schedule()
+    assert first.chunks[0].scored == (0, 8)
+    # Preempted before its chunk completed: the recompute from position 0
+    # scores only what no step has scored yet.
+    sched._preempt(scoring, first)
+    again = [sched.schedule() for _ in range(3)]
+    scored = [chunk.scored for out in again for chunk in out.chunks]
+    assert scored == [None, (8, 16), (16, 19)]
