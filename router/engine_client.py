@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -49,34 +50,109 @@ class EngineFailure(Exception):
 
 
 class RequestStream:
-    """Outputs of one request, in order, ending at its finish reason."""
+    """Outputs of one request, in order, ending at its finish reason.
+
+    The engine's reader appends each step's output; the one consumer takes
+    everything that arrived since it last looked (take), so a consumer that
+    fell behind catches up in one pass instead of one wake-up per step.
+
+    A consumer may also have a listener take outputs in the reader's pass
+    (listen): while it waits with nothing queued, each output goes to the
+    listener, which handles it at once or declines it (then it is queued as
+    usual). Outputs stay in order either way, and the wait ends when an output
+    the listener took finishes the request."""
 
     def __init__(self, client: EngineClient, request_id: str):
         self._client = client
         self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self._items: deque[RequestOutput | EngineFailure] = deque()
+        # The consumer's wait for the next item, while it waits.
+        self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[RequestOutput], bool] | None = None
         self.finished = False
+        self._aborted = False
+
+    def listen(self, listener: Callable[[RequestOutput], bool] | None) -> None:
+        """listener(output) -> whether it handled the output (else it is queued)."""
+        self._listener = listener
 
     def _put(self, item: RequestOutput | EngineFailure) -> None:
-        self._queue.put_nowait(item)
+        listener, waiter = self._listener, self._waiter
+        if (listener is not None and waiter is not None and not waiter.done() and not self._items
+                and type(item) is RequestOutput and listener(item)):
+            if item.finish_reason is not None and not self.finished:
+                self._finish()
+            if self.finished:
+                self._wake()
+            return
+        self._items.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def has_output(self) -> bool:
+        """Whether something arrived that take() would return without waiting."""
+        return bool(self._items)
+
+    async def take(self) -> list[RequestOutput]:
+        """Every output that arrived and was not taken yet (waiting for one
+        if none has), up to and including the one with a finish reason; []
+        once finished or aborted. Raises the EngineFailure that ended the
+        request, after handing over the outputs that came before it."""
+        items = self._items
+        while not items:
+            if self.finished:
+                return []
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.finished:
+            return []  # aborted while outputs were on their way
+        outputs: list[RequestOutput] = []
+        while items:
+            item = items[0]
+            if isinstance(item, EngineFailure):
+                if outputs:
+                    return outputs  # the failure ends the next take
+                items.popleft()
+                self._finish()
+                raise item
+            items.popleft()
+            outputs.append(item)
+            if item.finish_reason is not None:
+                self._finish()
+                break
+        return outputs
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._listener = None
+        self._client._forget(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, EngineFailure):
-                self.finished = True
-                self._client._forget(self.request_id)
-                raise item
-            if item.finish_reason is not None:
-                self.finished = True
-                self._client._forget(self.request_id)
-            yield item
+        while True:
+            outputs = await self.take()
+            if not outputs:
+                return
+            for output in outputs:
+                yield output
+                if self._aborted:
+                    return
 
     def abort(self) -> None:
         """Ask the engine to stop this request; safe to call more than once."""
+        self._aborted = True
+        self._listener = None
         if not self.finished:
             self.finished = True
             self._client.abort([self.request_id])
+        self._wake()  # a wait for more ends (the listener may have aborted)
 
 
 class EngineClient:

@@ -6,17 +6,21 @@ the incremental detokenizer, applies stop strings (withholding the matched
 text and aborting the engine request), and keeps the counts and clocks that
 usage, timings and finish reasons report. The engine reports a stop *token*
 as generated (it is counted) but its text is never shown.
+
+A streamed answer may have its items made and sent in the engine reader's
+pass instead (push_items): the same items, in the same order, without a
+wake-up of its handler for every engine step.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import SamplingParams
+from protocol import RequestOutput, SamplingParams
 from router.engine_client import EngineClient, EngineFailure, RequestStream
 from router.observability.records import RequestRecord, current_record
 from router.output_budget import check_prompt
@@ -76,6 +80,15 @@ class Generation:
         # Set when a stop token (end of sequence, stop_token_ids) ended it.
         self.stop_token: int | None = None
         self._stream: RequestStream | None = None
+        # Outputs of the batch in hand not yet turned into items.
+        self._outputs_left = 0
+        # Set when stream() starts: the request's record, detokenizer and stop matcher.
+        self._record: RequestRecord | None = None
+        self._detokenizer: IncrementalDetokenizer | None = None
+        self._matcher: StopStringMatcher | None = None
+        # push_items' (ready, send), and what failed in the reader's pass.
+        self._push: tuple[Callable[[], bool], Callable[[Piece | PromptProgress], None]] | None = None
+        self._push_failure: Exception | None = None
         self._started = 0.0
         self._first_token = 0.0
         self._ended = 0.0
@@ -90,60 +103,110 @@ class Generation:
         refuses the request or dies."""
         spec = self.spec
         self._started = time.perf_counter()
-        record = current_record.get()
+        self._record = record = current_record.get()
         if record is not None:
             record.engine_request_id = self.request_id
             record.prompt_tokens = self.prompt_tokens
         self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params)
-        detokenizer = IncrementalDetokenizer(
+        self._detokenizer = IncrementalDetokenizer(
             self.text.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens
         )
-        matcher = StopStringMatcher(spec.stop)
+        self._matcher = StopStringMatcher(spec.stop)
+        if self._push is not None:
+            stream.listen(self._pushed)
         try:
-            async for item in self._pieces(stream, detokenizer, matcher, record):
-                yield item
+            # Outputs come in batches (all that arrived since the last look):
+            # one wake-up of this task per batch, not per engine step.
+            while True:
+                outputs = await stream.take()
+                if self._push_failure is not None:
+                    raise self._push_failure
+                if not outputs:
+                    return
+                left = len(outputs)
+                for output in outputs:
+                    left -= 1
+                    self._outputs_left = left
+                    yield self._next_item(output)
+                    if self.finish_reason is not None:
+                        return
         except EngineFailure as exc:
             if record is not None:
                 # A stream that already answered 200 still failed.
                 record.outcome, record.error_code = "error", exc.code
             raise
 
-    async def _pieces(self, stream: RequestStream, detokenizer: IncrementalDetokenizer,
-                      matcher: StopStringMatcher, record: RequestRecord | None,
-                      ) -> AsyncIterator[Piece | PromptProgress]:
-        async for output in stream:
-            self.cached_tokens = output.num_cached_tokens
-            ids = output.token_ids
-            if not ids and output.finish_reason is None:
-                yield PromptProgress(output.num_computed_tokens, self.prompt_tokens, self.cached_tokens)
-                continue
-            if ids and not self._first_token:
-                self._first_token = time.perf_counter()
-            if record is not None:
-                record.cached_tokens = self.cached_tokens
-                if ids:
-                    record.add_tokens(len(ids))
-            self.completion_tokens += len(ids)
-            self.token_ids.extend(ids)
-            visible = ids
-            if output.finish_reason == "stop" and ids and ids[-1] in self._hidden_ids:
-                self.stop_token = ids[-1]
-                visible = ids[:-1]
-            new_text = detokenizer.add(visible)
-            if output.finish_reason is not None:
-                new_text += detokenizer.flush()
-            piece, matched = matcher.feed(new_text)
-            if matched is not None:
-                self._finish("stop")
-                self.stop_string = matched
-                stream.abort()
-                yield Piece(piece, ids)
-                return
-            if output.finish_reason is not None:
-                self._finish(output.finish_reason)
-                yield Piece(piece + matcher.flush(), ids)
-                return
-            yield Piece(piece, ids)
+    def push_items(self, ready: Callable[[], bool],
+                   send: Callable[[Piece | PromptProgress], None]) -> None:
+        """Have the engine reader's pass make this generation's items and
+        send(item) them, whenever stream()'s consumer waits for its next item
+        with nothing queued and ready() says send can take one at once: a
+        streamed answer then costs no wake-up of its handler per engine step.
+        stream() yields the items made otherwise, and ends when a sent item
+        ends the generation; what send raises, stream() raises. Call before
+        stream() starts."""
+        self._push = (ready, send)
+
+    def _pushed(self, output: RequestOutput) -> bool:
+        """The stream's listener (in the reader's pass): whether it took the output."""
+        assert self._push is not None and self._stream is not None
+        ready, send = self._push
+        if not ready():
+            return False
+        try:
+            send(self._next_item(output))
+        except Exception as exc:
+            # Raised in the consumer's task, where it would have been raised
+            # had the consumer made the item; the output is not made again.
+            self._push_failure = exc
+            self._stream.listen(None)
+            return False
+        return True
+
+    def _next_item(self, output: RequestOutput) -> Piece | PromptProgress:
+        """What one engine output adds; sets finish_reason when it ends the generation."""
+        stream, detokenizer, matcher, record = (self._stream, self._detokenizer, self._matcher,
+                                                self._record)
+        assert stream is not None and detokenizer is not None and matcher is not None
+        self.cached_tokens = output.num_cached_tokens
+        ids = output.token_ids
+        if not ids and output.finish_reason is None:
+            return PromptProgress(output.num_computed_tokens, self.prompt_tokens, self.cached_tokens)
+        if ids and not self._first_token:
+            self._first_token = time.perf_counter()
+        if record is not None:
+            record.cached_tokens = self.cached_tokens
+            if ids:
+                record.add_tokens(len(ids))
+        self.completion_tokens += len(ids)
+        self.token_ids.extend(ids)
+        visible = ids
+        if output.finish_reason == "stop" and ids and ids[-1] in self._hidden_ids:
+            self.stop_token = ids[-1]
+            visible = ids[:-1]
+        new_text = detokenizer.add(visible)
+        if output.finish_reason is not None:
+            new_text += detokenizer.flush()
+        piece, matched = matcher.feed(new_text)
+        if matched is not None:
+            self._finish("stop")
+            self.stop_string = matched
+            stream.abort()
+            return Piece(piece, ids)
+        if output.finish_reason is not None:
+            self._finish(output.finish_reason)
+            return Piece(piece + matcher.flush(), ids)
+        return Piece(piece, ids)
+
+    @property
+    def output_waiting(self) -> bool:
+        """Whether stream() has its next item at hand: it will come without
+        waiting for the engine. A consumer that fell behind may then hold
+        what it has to send and send it together with what follows."""
+        if self.finish_reason is not None:
+            return False
+        stream = self._stream
+        return self._outputs_left > 0 or (stream is not None and stream.has_output)
 
     async def pieces(self) -> AsyncIterator[str]:
         """Only the new text, for callers that need nothing else."""
@@ -153,7 +216,8 @@ class Generation:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        record = current_record.get()
+        # The record stream() found (this may run in the engine reader's pass).
+        record = self._record
         if record is not None:
             record.finish_reason = reason
         self._ended = time.perf_counter()

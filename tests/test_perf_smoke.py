@@ -26,6 +26,7 @@ CPU_SCRIPTS = {
     "bench_cpu.py": ["--threads", "2"],
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
+    "bench_router_streaming.py": [],
     "bench_waiting_memory.py": [],
 }
 GPU_ONLY = [
@@ -51,7 +52,7 @@ def run(args: list[str], timeout: float) -> None:
 @pytest.mark.parametrize("script", sorted(CPU_SCRIPTS))
 def test_cpu_benchmark_smoke(script: str, tiny_qwen3_dir: Path) -> None:
     extra = list(CPU_SCRIPTS[script])
-    if script == "bench_cpu.py":
+    if script in ("bench_cpu.py", "bench_router_streaming.py"):
         extra += ["--model", str(tiny_qwen3_dir)]  # built once for the session
     run([str(PERF / script), "--smoke", *extra], timeout=180)
 

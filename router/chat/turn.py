@@ -18,7 +18,7 @@ tool calls.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,10 +190,7 @@ class TurnRun:
         """The turn's output as typed events; raises EngineFailure if the
         engine refuses or dies. finish_reason and usage are set at the end."""
         async for item in self.generation.stream():
-            if isinstance(item, PromptProgress):
-                yield item
-                continue
-            for event in self._split(item):
+            for event in self.events_of(item):
                 yield event
         for event in self._flush():
             yield event
@@ -202,6 +199,13 @@ class TurnRun:
             record.reasoning_tokens = self.reasoning_tokens
             # Tool calls, not the engine's "stop", are how this turn ended.
             record.finish_reason = self.finish_reason
+
+    def events_of(self, item: Piece | PromptProgress) -> Sequence[ParsedEvent | PromptProgress]:
+        """The turn's events from one item of its generation (as events()
+        yields them; for items sent by Generation.push_items)."""
+        if isinstance(item, PromptProgress):
+            return (item,)
+        return self._split(item)
 
     def _split(self, piece: Piece) -> list[ParsedEvent]:
         if self._reasoning is None:
@@ -221,6 +225,8 @@ class TurnRun:
 
     def _answer(self, events: list[Any]) -> list[ParsedEvent]:
         """Route content through the tool-call parser; keep reasoning as is."""
+        if self._tools is None:
+            return self._record(events)
         out: list[ParsedEvent] = []
         for event in events:
             if isinstance(event, ContentDelta) and self._tools is not None:

@@ -26,6 +26,7 @@ from prometheus_client.exposition import generate_latest
 from router.lifecycle import ModelManager
 from router.observability.metric_collector import EngineCollector
 from router.observability.records import Observers, RequestRecord
+from router.observability.token_histogram import TokenHistogram
 
 OUTCOMES = ("ok", "rejected", "error", "cancelled")
 
@@ -63,10 +64,12 @@ class RouterMetrics:
         self.first_token = Histogram("roundhouse:time_to_first_token_seconds",
                                      "Seconds from a request's arrival to its first token.",
                                      ["model"], buckets=TTFT_BUCKETS, registry=registry)
-        self.inter_token = Histogram("roundhouse:inter_token_latency_seconds",
-                                     "Seconds between a request's tokens, one observation per token "
-                                     "after the first.",
-                                     ["model"], buckets=INTER_TOKEN_BUCKETS, registry=registry)
+        # Observed for every streamed token: a TokenHistogram, which costs a
+        # fraction of a prometheus_client Histogram's observation.
+        self.inter_token = TokenHistogram("roundhouse:inter_token_latency_seconds",
+                                          "Seconds between a request's tokens, one observation "
+                                          "per token after the first.",
+                                          "model", INTER_TOKEN_BUCKETS, registry)
         self.transitions = {
             kind: Counter(f"roundhouse:model_{kind}s_total", help_text, ["model"], registry=registry)
             for kind, help_text in (

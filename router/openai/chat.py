@@ -16,10 +16,18 @@ from router.chat.events import (
 )
 from router.chat.turn import TurnRun, prepare_turn, start_turn
 from router.engine_client import EngineFailure
-from router.generation import PromptProgress, new_request_id
+from router.generation import Piece, PromptProgress, new_request_id
 from router.http.errors import decode_body, engine_error, openai_error_body
 from router.http.keys import MANAGER
-from router.http.sse import StreamOpenedError, open_event_stream, send_data, send_done
+from router.http.sse import (
+    HeldEvents,
+    StreamOpenedError,
+    data_event,
+    open_event_stream,
+    send_data,
+    send_done,
+    text_event_encoder,
+)
 from router.openai.chat_request import chat_request
 from router.openai.common import autoload, now, streaming_lease, wants_usage
 from router.openai.schemas import ChatCompletionRequest
@@ -99,6 +107,10 @@ class ChatStream:
         self.timings_per_token = timings_per_token
         self.created = now()
         self.started = time.perf_counter()
+        # The events of most chunks (text deltas), each encoded once as a template.
+        self._content_event = text_event_encoder(lambda text: self.chunk({"content": text}))
+        self._reasoning_event = text_event_encoder(
+            lambda text: self.chunk({"reasoning_content": text}))
 
     def chunk(self, delta: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -136,26 +148,54 @@ class ChatStream:
         }
         return body
 
+    def event_data(self, event: object) -> bytes | None:
+        """The data event that a turn event sends, or None when it sends nothing."""
+        if isinstance(event, PromptProgress):
+            return data_event(self.progress(event))
+        if not self.timings_per_token:
+            # Text deltas, most chunks, from their templates (what delta() and chunk() make).
+            if isinstance(event, ContentDelta):
+                return self._content_event(event.text) if event.text else None
+            if isinstance(event, ReasoningDelta):
+                return self._reasoning_event(event.text)
+        delta = self.delta(event)
+        if delta is None:
+            return None
+        body = self.chunk(delta)
+        if self.timings_per_token:
+            body["timings"] = self.run.generation.timings()
+        return data_event(body)
+
     async def send(self) -> web.StreamResponse:
         response = await open_event_stream(self.request)
         run = self.run
         try:
             # llama.cpp's opening chunk: the role, content null.
             await send_data(response, self.chunk({"role": "assistant", "content": None}))
+
+            def send_now(item: Piece | PromptProgress) -> None:
+                for event in run.events_of(item):
+                    data = self.event_data(event)
+                    if data is not None:
+                        response.write_now(data)
+
+            # While the response takes writes at once, the engine reader's
+            # pass sends the events (Generation.push_items); the loop below
+            # sends the others.
+            run.generation.push_items(response.can_write_now, send_now)
+            held = HeldEvents(response)
             try:
                 async for event in run.events():
-                    if isinstance(event, PromptProgress):
-                        await send_data(response, self.progress(event))
-                        continue
-                    delta = self.delta(event)
-                    if delta is not None:
-                        body = self.chunk(delta)
-                        if self.timings_per_token:
-                            body["timings"] = run.generation.timings()
-                        await send_data(response, body)
+                    data = self.event_data(event)
+                    if data is not None:
+                        held.add(data)
+                    if held and not run.generation.output_waiting:
+                        await held.send()
             except EngineFailure as exc:
+                await held.send()
                 await send_data(response, openai_error_body(engine_error(exc)))
             else:
+                await held.send()
                 final = self.chunk({}, run.finish_reason)
                 final["timings"] = run.generation.timings()
                 await send_data(response, final)

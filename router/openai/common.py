@@ -12,15 +12,17 @@ from aiohttp import web
 
 from protocol import GrammarSpec
 from router.engine_client import EngineFailure
-from router.generation import Generation, GenerationInput, check_context
+from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
 from router.http.errors import as_api_error, engine_error, openai_error_body
 from router.http.keys import MANAGER
 from router.http.sse import (
     EventStream,
+    HeldEvents,
     StreamingLease,
     open_event_stream,
     send_data,
     send_done,
+    text_event_encoder,
 )
 from router.lifecycle import ModelSlot
 from router.observability.records import current_record
@@ -133,15 +135,31 @@ async def stream_generation(
     chunk when asked for, then [DONE]. An engine failure mid-stream becomes an
     error event; a client that leaves aborts the engine request."""
     response = await open_event_stream(request)
+    piece_event = text_event_encoder(lambda text: make_chunk(text, None))
+
+    def send_now(item: Piece | PromptProgress) -> None:
+        if isinstance(item, Piece) and item.text:
+            response.write_now(piece_event(item.text))
+
+    # While the response takes writes at once, the engine reader's pass sends
+    # the pieces (Generation.push_items); the loop below sends the others.
+    generation.push_items(response.can_write_now, send_now)
+    # Events held while the next item is already at hand (HeldEvents).
+    held = HeldEvents(response)
     try:
         for body in opening:
             await send_data(response, body)
         try:
-            async for piece in generation.pieces():
-                await send_data(response, make_chunk(piece, None))
+            async for item in generation.stream():
+                if isinstance(item, Piece) and item.text:
+                    held.add(piece_event(item.text))
+                if held and not generation.output_waiting:
+                    await held.send()
         except EngineFailure as exc:
+            await held.send()
             await send_data(response, openai_error_body(engine_error(exc)))
         else:
+            await held.send()
             final = make_chunk(None, generation.finish_reason)
             final["timings"] = generation.timings()
             await send_data(response, final)

@@ -96,6 +96,11 @@ class ReasoningParser:
         return self._reasoning_chars
 
     def feed(self, text: str, tokens: int = 0) -> list[ReasoningDelta | ContentDelta]:
+        if self._phase is _Phase.CONTENT:
+            # Reasoning is over for good: all text is content (nothing is held
+            # here), and no step from here on can count as reasoning.
+            self._fed += len(text)
+            return [ContentDelta(text)] if text else []
         self._steps.append((self._fed, self._fed + len(text), tokens))
         self._fed += len(text)
         out: list[ReasoningDelta | ContentDelta] = []

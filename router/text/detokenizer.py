@@ -7,6 +7,11 @@ starts a few tokens back (the prefix offset) and emits only what lies beyond
 the text already read (the read offset), as vLLM and TGI do. The window only
 moves forward at a clean point (text not ending in U+FFFD); complete
 characters past the read offset are still emitted as soon as they exist.
+
+With a byte-level tokenizer (Tokenizer.decodes_bytewise), a step of one token
+whose text is whole characters, after a window that is all read and whole
+characters, needs no window decode: the window's text is the prefix's text
+followed by the token's, so the token's own (cached) text is what it adds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ PROMPT_CONTEXT_TOKENS = 5
 # invalid, not incomplete, and is let through so that the window (and the cost
 # of a step) stays small.
 MAX_HELD_TOKENS = 16
+# Emitted pieces kept apart before they are joined into one string.
+PIECES_KEPT = 256
 
 
 class IncrementalDetokenizer:
@@ -33,18 +40,28 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._bytewise = getattr(tokenizer, "decodes_bytewise", False)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._ids: list[int] = context      # the window: only tokens from the prefix offset on
         self._read = len(context)           # window index where unread tokens start
         self._prefix_text: str | None = None  # decode(window[:read]), cached
         self._held_chars = 0                # chars past the read offset already emitted
-        self.text = ""                      # all text emitted so far
+        self._pieces: list[str] = []        # all text emitted so far (joined on demand)
         self.num_tokens = 0                 # generated tokens taken so far
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Take a step's new token ids; return the text they complete (maybe "")."""
         if not token_ids:
             return ""
+        if self._bytewise and len(token_ids) == 1 and self._read == len(self._ids):
+            out = self._add_whole(token_ids[0])
+            if out is not None:
+                return out
         self._ids.extend(token_ids)
         self.num_tokens += len(token_ids)
         end = len(self._ids)
@@ -70,6 +87,24 @@ class IncrementalDetokenizer:
             out += stable[self._held_chars:]
             self._held_chars = len(stable)
         return self._emit(out)
+
+    def _add_whole(self, token_id: int) -> str | None:
+        """One token after a fully read window, when both decode to whole
+        characters: then the window's text is the prefix's plus the token's
+        (byte-level decoding), and the window moves on to the token, exactly
+        as add() would move it. None (nothing taken) otherwise."""
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._prefix_text = self._decode(self._ids)
+        piece = self._decode([token_id])
+        if REPLACEMENT_CHAR in piece or REPLACEMENT_CHAR in prefix:
+            return None
+        self._ids = [token_id]
+        self._read = 1
+        self._prefix_text = piece
+        self._held_chars = 0
+        self.num_tokens += 1
+        return self._emit(piece)
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back (an unfinished character is U+FFFD)."""
@@ -97,5 +132,9 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _emit(self, out: str) -> str:
-        self.text += out
+        # Appending to one string would copy all the text at every step.
+        pieces = self._pieces
+        pieces.append(out)
+        if len(pieces) >= PIECES_KEPT:
+            pieces[:] = ["".join(pieces)]
         return out

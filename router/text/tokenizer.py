@@ -55,6 +55,10 @@ INLINE_ENCODE_CHARS = 2048
 # Decoding this many ids holds the GIL for about a millisecond; past it,
 # decode_batch, which releases it, is worth its extra list.
 INLINE_DECODE_IDS = 4096
+# Texts of single ids kept per tokenizer and skip_special_tokens (a few MB at
+# most); ids past this many distinct ones are decoded each time.
+SINGLE_TEXTS_KEPT = 65536
+
 
 class Tokenizer:
     """Encode and decode text for one model. Thread-safe: the backend is immutable once built."""
@@ -72,6 +76,13 @@ class Tokenizer:
         self.id_limit: int = max(self.vocab_size, max(added, default=-1) + 1)
         self.special_token_ids: frozenset[int] = frozenset(
             token_id for token_id, token in added.items() if token.special)
+        # Byte-level decoding: each token stands for bytes and a text is the
+        # bytes of its ids read as UTF-8, so the texts of ids that are whole
+        # characters alone concatenate (decode(a + b) == decode(a) + decode(b)),
+        # which the streaming detokenizer relies on (router/text/detokenizer.py).
+        self.decodes_bytewise: bool = isinstance(backend.decoder, decoders.ByteLevel)
+        # decode() of one id, by skip_special_tokens then id (the backend never changes).
+        self._single_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text. Special tokens written in the text always become their ids."""
@@ -91,7 +102,22 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ids; ids past the vocabulary (a model's padded embedding rows) are dropped,
         and so are ids no vocabulary has (negative, or too big for the backend's 32 bits)."""
-        ids = list(ids)
+        if len(ids) == 1:
+            return self._decode_one(ids[0], skip_special_tokens)
+        return self._decode_list(ids if type(ids) is list else list(ids), skip_special_tokens)
+
+    def _decode_one(self, token_id: int, skip_special_tokens: bool) -> str:
+        # The streaming detokenizer decodes each generated token alone
+        # (router/text/detokenizer.py), and common tokens recur.
+        cache = self._single_texts[True if skip_special_tokens else False]
+        text = cache.get(token_id)
+        if text is None:
+            text = self._decode_list([token_id], skip_special_tokens)
+            if len(cache) < SINGLE_TEXTS_KEPT:
+                cache[token_id] = text
+        return text
+
+    def _decode_list(self, ids: list[int], skip_special_tokens: bool) -> str:
         if ids and (min(ids) < 0 or max(ids) >= self.id_limit):
             ids = [i for i in ids if 0 <= i < self.id_limit]
         if len(ids) > INLINE_DECODE_IDS:

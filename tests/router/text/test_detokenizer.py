@@ -128,3 +128,42 @@ def test_random_streams_match_decode(qwen3_text: ModelText) -> None:
         ids = [rng.randrange(151700) for _ in range(rng.randrange(1, 60))]
         pieces, _ = _stream(tok, ids)
         assert "".join(pieces) == tok.decode(ids)
+
+
+class _WindowOnly:
+    """The same tokenizer without decodes_bytewise: every step decodes its window."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_byte_level_shortcut_emits_what_the_window_would(tokenizer: Tokenizer) -> None:
+    """Piece for piece, the one-token shortcut of byte-level tokenizers changes
+    nothing: random ids (split characters, invalid bytes, special tokens, ids
+    past the vocabulary), steps of one to three tokens, random prompts."""
+    assert tokenizer.decodes_bytewise
+    rng = random.Random(1)
+    specials = sorted(tokenizer.special_token_ids)
+    text_ids = tokenizer.encode(LONG_TEXT)
+    for _ in range(150):
+        if rng.random() < 0.5:
+            start = rng.randrange(len(text_ids) - 80)
+            ids = text_ids[start:start + rng.randrange(1, 80)]
+        else:
+            ids = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(tokenizer.id_limit + 20)
+                   for _ in range(rng.randrange(1, 60))]
+        prompt = [rng.randrange(tokenizer.id_limit) for _ in range(rng.randrange(0, 8))]
+        skip = rng.random() < 0.5
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(_WindowOnly(tokenizer), prompt,  # type: ignore[arg-type]
+                                      skip_special_tokens=skip)
+        at = 0
+        while at < len(ids):
+            step = ids[at:at + rng.choice((1, 1, 1, 2, 3))]
+            at += len(step)
+            assert fast.add(step) == slow.add(step), (ids, at)
+        assert fast.flush() == slow.flush()
+        assert fast.text == slow.text and fast.num_tokens == slow.num_tokens

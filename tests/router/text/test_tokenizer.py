@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 from pathlib import Path
 
@@ -150,3 +151,41 @@ def test_long_texts_encode_and_decode_off_the_loop_to_the_same_ids(qwen3_text: M
     assert asyncio.run(tok.encode_async(text, add_special_tokens=True)) == ids
     assert len(ids) > 4096  # decoded with decode_batch, which lets go of the GIL
     assert tok.decode(ids, skip_special_tokens=False) == tok.backend.decode(ids, skip_special_tokens=False)
+
+
+def test_single_ids_decode_as_the_backend_does_every_time(qwen3_text: ModelText) -> None:
+    # One id's text is kept after its first decode; it must stay what the backend says,
+    # for both skip_special_tokens settings and for ids no vocabulary has.
+    tok = qwen3_text.tokenizer
+    ids = [0, 198, 151645, 151667, 151900, -1, 2**40, *tok.encode("naïve 東京 🦙")]
+    for skip in (True, False):
+        for _ in range(2):
+            for token_id in ids:
+                expected = (tok.backend.decode([token_id], skip_special_tokens=skip)
+                            if 0 <= token_id < tok.id_limit else "")
+                assert tok.decode([token_id], skip_special_tokens=skip) == expected, token_id
+                assert tok.decode((token_id,), skip_special_tokens=skip) == expected, token_id
+
+
+def test_byte_level_texts_of_whole_characters_concatenate(qwen3_text: ModelText,
+                                                          smollm2_text: ModelText,
+                                                          spm_gguf: Path) -> None:
+    """What Tokenizer.decodes_bytewise promises the detokenizer: ids whose
+    texts are whole characters (no U+FFFD) decode together to their texts
+    joined, special and out-of-vocabulary ids included."""
+    for tok in (qwen3_text.tokenizer, smollm2_text.tokenizer):
+        assert tok.decodes_bytewise
+        rng = random.Random(0)
+        specials = sorted(tok.special_token_ids)
+        checked = 0
+        while checked < 20_000:
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.id_limit + 40)
+                   for _ in range(rng.choice((2, 3, 5)))]
+            skip = rng.random() < 0.5
+            texts = [tok.decode([i], skip_special_tokens=skip) for i in ids]
+            if any("\ufffd" in text for text in texts):
+                continue
+            assert tok.decode(ids, skip_special_tokens=skip) == "".join(texts), ids
+            checked += 1
+    # A SentencePiece decoder strips the first token's space: not byte-level.
+    assert not Tokenizer.from_gguf(read_gguf_metadata(spm_gguf)).decodes_bytewise
