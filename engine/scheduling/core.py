@@ -310,8 +310,7 @@ class EngineCore:
                 rows = put_off if len(put_off) < len(sampling) else None
                 mask = self.grammar.fill([sampling[row] for row in put_off])
                 parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
-            launched = self._launched(out, parts, launched_at)
-            launched.scores = [(out.chunks[index], scores) for index, scores in forward.scores]
+            launched = self._launched(out, parts, forward, launched_at)
             self.step_count += 1
         self._in_flight = launched
         self._publish()
@@ -325,8 +324,8 @@ class EngineCore:
     def _needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a sampling row needs its newest token on the host before
         it can be sampled: a grammar mask, or penalties over its tokens."""
-        params = seq.params
-        return params.has_penalties or (params.grammar is not None and len(self.grammar) > 0)
+        # A request with a grammar has a matcher: admission refuses it otherwise.
+        return seq.params.has_penalties or seq.params.grammar is not None
 
     def _sample(self, out: SchedulerOutput, forward: StepForward, first_slot: int,
                 mask: TokenMask | None = None, rows: list[int] | None = None) -> SampledTokens:
@@ -338,7 +337,7 @@ class EngineCore:
         return tokens
 
     def _launched(self, out: SchedulerOutput, tokens: list[tuple[list[int] | None, SampledTokens]],
-                  launched_at: float) -> InFlight:
+                  forward: StepForward, launched_at: float) -> InFlight:
         # Decode rows compute the newest token of a sequence that already has
         # output; the rest of the batch is prompt (or recomputed) tokens.
         decode_tokens = sum(1 for chunk in out.chunks if chunk.samples and chunk.num_tokens == 1
@@ -349,8 +348,9 @@ class EngineCore:
                      if chunk.seq.params.report_progress
                      and (chunk.token_index == chunk.seq.num_prompt_tokens if chunk.samples
                           else chunk.seq.num_output_tokens == 0)]
+        scores = [(out.chunks[index], chunk_scores) for index, chunk_scores in forward.scores]
         return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
-                        launched_at)
+                        launched_at, scores)
 
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""

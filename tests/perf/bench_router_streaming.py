@@ -36,12 +36,9 @@ import asyncio
 import gc
 import json
 import multiprocessing
-import os
 import pstats
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,13 +51,12 @@ from typing import Any
 import aiohttp
 import msgspec
 import psutil
-import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.support.scripted_models import scripted_model  # noqa: E402
-from tests.support.server import Server, free_port, wait_until  # noqa: E402
+from tests.support.server import Server, running_server  # noqa: E402
 
 MODEL = "bench"
 ENGINE_ENV = {"ROUNDHOUSE_ENGINE_MODULE": "tests.support.paced_engine"}
@@ -101,34 +97,12 @@ finally:
 @contextmanager
 def router(args: list[str], log_path: Path, profile: Path | None) -> Iterator[Server]:
     """`python -m router serve` (under cProfile when profile is given) on a
-    free port, stopped with SIGTERM so that it exits as a service does."""
-    port = free_port()
-    launcher = ["-c", PROFILED_ROUTER, str(profile)] if profile else ["-m", "router"]
-    log_file = open(log_path, "wb")
-    process = subprocess.Popen(
-        [sys.executable, *launcher, "serve", "--port", str(port), *args],
-        stdout=log_file, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ENGINE_ENV})
-    server = Server(process, port, log_path)
-
-    def ready() -> bool:
-        try:
-            return requests.get(server.url + "/health", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    try:
-        wait_until(ready, 120, "/health to answer 200", server)
+    free port, stopped with SIGTERM so that it exits as a service does (and
+    writes its profile)."""
+    launcher = ("-c", PROFILED_ROUTER, str(profile)) if profile else ("-m", "router")
+    with running_server(args, log_path, timeout=120, env=ENGINE_ENV, launcher=launcher,
+                        stop_timeout=60) as server:
         yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log_file.close()
 
 
 def request_body(api: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:

@@ -12,16 +12,14 @@ model's own tokenizer, repeated as needed, so the router detokenizes real text.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import zmq
 
 from protocol import EngineOptions, ErrorCode, Generate, RequestError, command_decoder
-from tests.support.scripted_engine import Running, ScriptedEngine
+from tests.support.scripted_engine import Running, ScriptedEngine, run_engine
 
 
 class PacedEngine(ScriptedEngine):
@@ -75,27 +73,7 @@ def serve(engine: PacedEngine, inbox: zmq.Socket, parent_pid: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.paced_engine")
-    parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--options", default="{}", type=EngineOptions.from_json)
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--parent-pid", type=int, default=0)
-    parser.add_argument("--name", default="")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args()
-    context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.connect(args.input)
-    outbox = context.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(args.output)
-    engine = PacedEngine(args.model, args.options, outbox)
-    engine.emit(engine.ready())
-    print(f"paced engine ready (pid {os.getpid()})", file=sys.stderr, flush=True)
-    status = serve(engine, inbox, args.parent_pid)
-    outbox.close()
-    return status
+    return run_engine(PacedEngine, "tests.support.paced_engine", serve)
 
 
 if __name__ == "__main__":

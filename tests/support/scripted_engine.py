@@ -28,8 +28,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -237,8 +239,35 @@ class ScriptedEngine:
         self.emit(StepOutputs(self.step, outputs, msgspec.structs.replace(self.stats)))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.scripted_engine")
+EngineT = TypeVar("EngineT", bound=ScriptedEngine)
+
+
+def serve(engine: ScriptedEngine, inbox: zmq.Socket, parent_pid: int) -> int:
+    """Commands as they come; a step, then step_seconds of sleep, while
+    requests run. Returns the exit status."""
+    decode = command_decoder().decode
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        if parent_pid and os.getppid() != parent_pid:
+            return 1
+        step = engine.script.step_seconds
+        waited = step if engine.running else 0.5
+        if poller.poll(int(waited * 1000)):
+            while inbox.poll(0):
+                if not engine.handle(decode(inbox.recv())):
+                    return 0
+        if engine.running:
+            engine.tick()
+            time.sleep(step)
+
+
+def run_engine(engine_class: type[EngineT], module: str,
+               serve_loop: Callable[[EngineT, zmq.Socket, int], int]) -> int:
+    """An engine process as the router's supervisor starts one: its
+    arguments, its two sockets, Ready, then serve_loop until Shutdown (0) or
+    the router's death (1)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--options", default="{}", type=EngineOptions.from_json)
     parser.add_argument("--input", required=True)
@@ -253,25 +282,17 @@ def main() -> int:
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(args.output)
-    engine = ScriptedEngine(args.model, args.options, outbox)
+    engine = engine_class(args.model, args.options, outbox)
     engine.emit(engine.ready())
-    print(f"scripted engine ready (pid {os.getpid()})", file=sys.stderr, flush=True)
-    decode = command_decoder().decode
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    while True:
-        if args.parent_pid and os.getppid() != args.parent_pid:
-            return 1
-        step = engine.script.step_seconds
-        waited = step if engine.running else 0.5
-        if poller.poll(int(waited * 1000)):
-            while inbox.poll(0):
-                if not engine.handle(decode(inbox.recv())):
-                    outbox.close()
-                    return 0
-        if engine.running:
-            engine.tick()
-            time.sleep(step)
+    print(f"{module} ready (pid {os.getpid()})", file=sys.stderr, flush=True)
+    status = serve_loop(engine, inbox, args.parent_pid)
+    if status == 0:
+        outbox.close()
+    return status
+
+
+def main() -> int:
+    return run_engine(ScriptedEngine, "tests.support.scripted_engine", serve)
 
 
 if __name__ == "__main__":

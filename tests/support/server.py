@@ -61,11 +61,15 @@ def wait_until(predicate, timeout: float, what: str, server: Server | None = Non
 
 @contextmanager
 def running_server(args: list[str], log_path: Path, *, ready_path: str = "/health",
-                   timeout: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Server]:
+                   timeout: float = 180.0, env: dict[str, str] | None = None,
+                   launcher: tuple[str, ...] = ("-m", "router"),
+                   stop_timeout: float = 30.0) -> Iterator[Server]:
+    """`python <launcher> serve` on a free port until ready_path answers 200;
+    stopped with SIGTERM (killed after stop_timeout seconds)."""
     port = free_port()
     log_file = open(log_path, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--port", str(port), *args],
+        [sys.executable, *launcher, "serve", "--port", str(port), *args],
         stdout=log_file,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -85,7 +89,7 @@ def running_server(args: list[str], log_path: Path, *, ready_path: str = "/healt
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(30)
+                process.wait(stop_timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
