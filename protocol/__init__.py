@@ -38,6 +38,8 @@ from protocol.sampling import (
     FinishReason,
     GrammarKind,
     GrammarSpec,
+    Pooling,
+    ReasoningBudget,
     SamplingParams,
 )
 
@@ -60,7 +62,9 @@ __all__ = [
     "LoadProgress",
     "MemoryFacts",
     "ModelFacts",
+    "Pooling",
     "Ready",
+    "ReasoningBudget",
     "RequestError",
     "RequestOutput",
     "RouterCommand",

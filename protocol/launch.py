@@ -6,6 +6,8 @@ from __future__ import annotations
 import msgspec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What --pooling may say (unset: the model's own choice, engine/loader/pooling.py).
+POOLINGS = ("mean", "cls", "last")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,6 +43,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     threads: int = 0
     # Seeds the shared generator of requests that bring no seed.
     seed: int = 0
+    # How embedding requests pool (llama.cpp's --pooling): mean, cls or last;
+    # None: the model's own sentence-transformers or GGUF setting, else last.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -61,6 +66,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.kv_capacity_tokens < -1:
             raise ValueError("KV capacity must be a token count, 0 (what the lanes use) or -1 "
                              f"(all the memory given), got {self.kv_capacity_tokens}")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)} (or unset), "
+                             f"got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 11
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -96,6 +96,9 @@ class ModelFacts(msgspec.Struct, **_STRUCT):
     size_bytes: int
     dtype: str
     device: str
+    # How embedding requests should pool (SamplingParams.pooling): --pooling,
+    # else the model's own sentence-transformers or GGUF setting, else "last".
+    pooling: str = "last"
 
 
 class KvFacts(msgspec.Struct, **_STRUCT):
@@ -150,6 +153,9 @@ class TokenLogprobs(msgspec.Struct, **_STRUCT):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    # Those of SamplingParams.logprob_token_ids at the same position, in
+    # their order (rows that named none: empty).
+    named_logprobs: list[float] = []
 
 
 class RequestOutput(msgspec.Struct, **_STRUCT):
@@ -169,6 +175,11 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     # this step scored, in order, continuing the ones sent before (the first
     # prompt token has none); all of them arrive before the first sampled token.
     prompt_logprobs: list[TokenLogprobs] = []
+    # An embedding request's pooled, normalised vector (SamplingParams.pooling)
+    # as little-endian float32 bytes, in its finishing output: packed, since a
+    # list of floats costs 9 bytes each in msgpack and a Python float per value
+    # on both sides, and OpenAI's base64 answer is these very bytes.
+    embedding: bytes = b""
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):

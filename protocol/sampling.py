@@ -14,6 +14,13 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 
+# How an embedding request's prompt becomes one vector, from the final-normed
+# hidden states: the last token's (Qwen3-Embedding and other causal
+# decoders), the mean over every prompt token, or the first token's (CLS).
+Pooling = Literal["last", "mean", "cls"]
+
+LogprobsMode = Literal["raw", "processed"]
+
 
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """A constraint on what may be generated, enforced by the engine with
@@ -29,6 +36,29 @@ class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
 # The most alternatives a token's log probabilities list (OpenAI's top_logprobs
 # bound; llama.cpp's n_probs is capped to it).
 MAX_TOP_LOGPROBS = 20
+# The most token ids one request may name in logprob_token_ids.
+MAX_LOGPROB_TOKEN_IDS = 20
+
+
+class ReasoningBudget(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """A thinking model's reasoning block, held to a budget by the engine
+    (engine/sampling/forced_tokens.py).
+
+    The block is open at the first generated token (the prompt opened it).
+    The model may write `budget` tokens in it (-1: any number); when none of
+    them closed it (the generated ids ending with close_ids, the model's own
+    closing delimiter), the next tokens are end_ids, forced: the delimiter
+    and what the model writes around it, e.g. "\n</think>\n\n". Once the
+    block is closed, by the model or by end_ids, after_ids are forced (the
+    opener of a forced tool call), then generation goes on freely. Forced
+    tokens are output tokens like any other: they count toward max_tokens,
+    can be stop tokens, pass through the grammar matcher, and reach the
+    router as sampled ones (with the model's log probabilities for them)."""
+
+    budget: int
+    close_ids: list[int]
+    end_ids: list[int] = []
+    after_ids: list[int] = []
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
@@ -75,6 +105,31 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # it max_tokens may be 0: the prompt is scored and nothing generated.
     # Such a request does not take its prompt from the prefix cache.
     prompt_logprobs: int = -1
+    # With logprobs >= 0: also these token ids' log probabilities from the
+    # same raw distribution, at each sampled position, in this order
+    # (TokenLogprobs.named_logprobs): a judge's "yes" and "no" for rerank.
+    # At most MAX_LOGPROB_TOKEN_IDS; checked against the vocabulary.
+    logprob_token_ids: list[int] = []
+    # Set: an embedding request. max_tokens is 0; the prompt's final hidden
+    # states are pooled this way into RequestOutput.embedding and nothing is
+    # sampled (it finishes "length", like a scored prompt). Mean and CLS
+    # pooling never take the prompt from the prefix cache; last pooling may.
+    pooling: Pooling | None = None
+    # How the pooled vector is normalised (llama.cpp's embd_normalize): -1
+    # not at all, 0 scaled to a largest magnitude of 32760 (int16 range), 1
+    # taxicab, 2 Euclidean (unit length: OpenAI's), p > 2 the p-norm.
+    embd_normalize: int = 2
+    # A thinking model's reasoning block held to a budget, and the tokens
+    # forced once it closes (ReasoningBudget); None: the model is left free.
+    reasoning: ReasoningBudget | None = None
+    # Which distribution `logprobs` (not prompt_logprobs, not
+    # logprob_token_ids) come from: "raw", the model's own (above);
+    # "processed", the one the token was drawn from (llama.cpp's
+    # post_sampling_probs): after logit_bias, penalties, the grammar mask,
+    # temperature, top-k, top-p and min-p, renormalised over the tokens that
+    # survive; cut tokens have -inf and rank last among the alternatives; a
+    # greedy row's is one-hot at its argmax (log 1 = 0).
+    logprobs_mode: LogprobsMode = "raw"
 
     @property
     def greedy(self) -> bool:

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--default-max-tokens", type=int, default=0, metavar="N",
                           help="output budget for requests that name none (default: 0, one "
                                "lane's share of the KV pool)")
+    security.add_argument("--max-choices", type=int, default=16, metavar="N",
+                          help="choices one OpenAI request may generate: n (or best_of) "
+                               "times its prompts (default: 16); more get 400")
     connections = serve.add_argument_group("connections")
     connections.add_argument("--http-header-timeout-ms", type=int, default=10_000, metavar="MS",
                              help="time a client has to send a request's headers (default: "
@@ -206,6 +209,7 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             max_pending_requests=args.max_pending_requests,
             max_token_count_requests=args.max_token_count_requests,
             default_max_tokens=args.default_max_tokens,
+            max_choices=args.max_choices,
             http_header_timeout_ms=args.http_header_timeout_ms,
             http_body_timeout_ms=args.http_body_timeout_ms,
             http_keepalive_timeout_ms=args.http_keepalive_timeout_ms,

@@ -68,6 +68,9 @@ class ServeConfig:
     # Output budget for requests that name none; 0 means one lane's share of
     # the KV pool, clamped to the remaining context.
     default_max_tokens: int = 0
+    # Choices one OpenAI request may generate: n (or best_of) times its
+    # prompts; each is an engine request (router/openai/choices.py).
+    max_choices: int = 16
     # ---- connections (docs/serving.md, router/http/connections.py) ----
     # How long a client has to send a request's headers (from the connection's
     # start, or from the first byte of a later request), and then its body.
@@ -110,6 +113,8 @@ class ServeConfig:
                              "--max-token-count-requests at least 1")
         if self.default_max_tokens < 0:
             raise ValueError("--default-max-tokens must be 0 (one lane's share) or more")
+        if self.max_choices < 1:
+            raise ValueError("--max-choices must be 1 or more")
         if not self.request_log_max_mib > 0 or self.request_log_keep < 1:
             raise ValueError("--request-log-max-mib must be more than 0 and --request-log-keep at least 1")
         if self.log_stats_interval_ms < 0:

@@ -14,13 +14,14 @@ wake-up of its handler for every engine step.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import RequestOutput, SamplingParams
+from protocol import RequestOutput, SamplingParams, TokenLogprobs
 from router.engine_client import EngineClient, EngineFailure, RequestStream
 from router.observability.records import RequestRecord, current_record
 from router.output_budget import check_prompt
@@ -50,10 +51,13 @@ class GenerationInput:
 @dataclass(frozen=True, slots=True)
 class Piece:
     """What one engine step added: its tokens and the text they complete
-    (empty while a character or a possible stop string is held back)."""
+    (empty while a character or a possible stop string is held back), and
+    with SamplingParams.logprobs the log probabilities of its shown tokens
+    (a stop token that ended the generation is neither shown nor scored)."""
 
     text: str
     token_ids: list[int]
+    logprobs: Sequence[TokenLogprobs] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +79,16 @@ class Generation:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.token_ids: list[int] = []
+        # With SamplingParams.logprobs: those of the shown generated tokens;
+        # with prompt_logprobs: those of the prompt tokens after the first.
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
-        # Set when a stop token (end of sequence, stop_token_ids) ended it.
+        # Set when a stop token (end of sequence, stop_token_ids) ended it;
+        # with logprobs, its log probabilities (llama.cpp reports them).
         self.stop_token: int | None = None
+        self.stop_token_logprobs: TokenLogprobs | None = None
         self._stream: RequestStream | None = None
         # Outputs of the batch in hand not yet turned into items.
         self._outputs_left = 0
@@ -92,6 +102,10 @@ class Generation:
         self._started = 0.0
         self._first_token = 0.0
         self._ended = 0.0
+        # Set once the engine holds the whole prompt's KV (its first token
+        # came, or the request ended): siblings of the same prompt submitted
+        # after it find the prompt's full pages in the prefix cache.
+        self.prefilled = asyncio.Event()
         params = spec.params
         self._hidden_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(text.eos_token_ids)
@@ -135,6 +149,8 @@ class Generation:
                 # A stream that already answered 200 still failed.
                 record.outcome, record.error_code = "error", exc.code
             raise
+        finally:
+            self.prefilled.set()
 
     def push_items(self, ready: Callable[[], bool],
                    send: Callable[[Piece | PromptProgress], None]) -> None:
@@ -169,9 +185,12 @@ class Generation:
                                                 self._record)
         assert stream is not None and detokenizer is not None and matcher is not None
         self.cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs:
+            self.prompt_logprobs.extend(output.prompt_logprobs)
         ids = output.token_ids
         if not ids and output.finish_reason is None:
             return PromptProgress(output.num_computed_tokens, self.prompt_tokens, self.cached_tokens)
+        self.prefilled.set()
         if ids and not self._first_token:
             self._first_token = time.perf_counter()
         if record is not None:
@@ -181,9 +200,15 @@ class Generation:
         self.completion_tokens += len(ids)
         self.token_ids.extend(ids)
         visible = ids
+        logprobs = output.logprobs
         if output.finish_reason == "stop" and ids and ids[-1] in self._hidden_ids:
             self.stop_token = ids[-1]
             visible = ids[:-1]
+            if len(logprobs) == len(ids):
+                self.stop_token_logprobs = logprobs[-1]
+            logprobs = logprobs[:len(visible)]
+        if logprobs:
+            self.logprobs.extend(logprobs)
         new_text = detokenizer.add(visible)
         if output.finish_reason is not None:
             new_text += detokenizer.flush()
@@ -192,11 +217,11 @@ class Generation:
             self._finish("stop")
             self.stop_string = matched
             stream.abort()
-            return Piece(piece, ids)
+            return Piece(piece, ids, logprobs)
         if output.finish_reason is not None:
             self._finish(output.finish_reason)
-            return Piece(piece + matcher.flush(), ids)
-        return Piece(piece, ids)
+            return Piece(piece + matcher.flush(), ids, logprobs)
+        return Piece(piece, ids, logprobs)
 
     @property
     def output_waiting(self) -> bool:

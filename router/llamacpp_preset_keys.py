@@ -40,17 +40,17 @@ _SERVER = """
 lookup-cache-static lcs lookup-cache-dynamic lcd kv-unified-per-slot ctx-checkpoints
 swa-checkpoints ctxcp checkpoint-min-step cms cache-ram cram kv-unified kvu no-kv-unified
 no-kvu cache-idle-slots no-cache-idle-slots context-shift no-context-shift reverse-prompt r
-special sp warmup no-warmup spm-infill pooling cont-batching cb no-cont-batching nocb mmproj mm
+special sp warmup no-warmup spm-infill cont-batching cb no-cont-batching nocb mmproj mm
 mmproj-url mmu mmproj-auto no-mmproj no-mmproj-auto mmproj-offload no-mmproj-offload
 mmproj-device mmdev image-min-tokens image-max-tokens mtmd-batch-max-tokens video-fps
 video-timestamp-interval video-ffmpeg-dir a tags embd-normalize reuse-port path cors-origins
 cors-methods cors-headers cors-credentials no-cors-credentials api-prefix ui-config
 webui-config ui-config-file webui-config-file ui-mcp-proxy webui-mcp-proxy no-ui-mcp-proxy
 no-webui-mcp-proxy tools tools-runtime mcp-servers-config mcp-servers-json agent ag no-agent
-no-ag ui webui no-ui no-webui embedding embeddings rerank reranking ssl-key-file ssl-cert-file
+no-ag ui webui no-ui no-webui embedding embeddings ssl-key-file ssl-cert-file
 timeout to sse-ping-interval threads-http cache-prompt no-cache-prompt cache-reuse metrics
 props slots no-slots slot-save-path media-path jinja no-jinja reasoning-format reasoning rea
-reasoning-effort reasoning-budget reasoning-budget-message reasoning-preserve
+reasoning-effort reasoning-budget-message reasoning-preserve
 no-reasoning-preserve skip-chat-parsing no-skip-chat-parsing prefill-assistant
 no-prefill-assistant slot-prompt-similarity sps lora-init-without-apply log-prompts-dir
 dedup-cache-models

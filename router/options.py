@@ -254,6 +254,10 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "output tokens admission reserves KV for, beyond the prompt", "N"),
     ModelOption("threads", integer(0), "engine.threads",
                 "CPU threads per engine (0: torch's default)", "N"),
+    ModelOption("pooling", choice("mean", "cls", "last"), "engine.pooling",
+                "how /v1/embeddings and /embedding pool a prompt's hidden states: mean, cls "
+                "(first token) or last (last token)", "{mean,cls,last}",
+                default_text="the model's sentence-transformers or GGUF setting, else last"),
     ModelOption("seed", integer(-1, 2**64 - 1), "sampling.seed",
                 "seed of requests that bring none, so repeated requests reproduce "
                 "(-1: a random seed per request)", "N", default_text="-1"),
@@ -274,6 +278,10 @@ OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("chat-template-kwargs", template_kwargs, "chat_template_kwargs",
                 "template variables as a JSON object, e.g. '{\"enable_thinking\": false}'; "
                 "a request's chat_template_kwargs override them", "JSON", default_text="{}"),
+    ModelOption("reasoning-budget", integer(-1), "reasoning_budget",
+                "reasoning tokens a thinking model may write before the engine ends its "
+                "block, for requests that name no budget or effort (-1: no limit, 0: "
+                "thinking off)", "N"),
     ModelOption("model-suspend", boolean, "model_suspend",
                 "to make room under --models-max, put this model to sleep instead of "
                 "unloading it", flag=True),
@@ -295,6 +303,11 @@ OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("tags", names, "tags",
                 "labels listed in the model's /models card (a, b); they do not affect routing",
                 "TAGS"),
+    ModelOption("reranking", boolean, "reranking",
+                "serve POST /rerank with this model as a yes/no relevance judge "
+                "(Qwen3-Reranker's prompt; docs/llamacpp.md)", flag=True),
+    ModelOption("rerank", boolean, "reranking", "llama.cpp's short name for --reranking",
+                flag=True),
 )
 
 BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}
@@ -307,7 +320,7 @@ ROUTER_OPTIONS = frozenset({
     "response-store-max-records", "response-store-max-mib",
     "api-key", "api-key-file", "metrics-open", "cors", "max-request-mib", "max-pending-requests",
     "max-token-count-requests", "default-max-tokens", "request-log-jsonl", "request-log-max-mib",
-    "request-log-keep", "log-stats-interval-ms",
+    "request-log-keep", "log-stats-interval-ms", "max-choices",
     "cors-origins", "allowed-host", "http-header-timeout-ms", "http-body-timeout-ms",
     "http-keepalive-timeout-ms", "max-connections", "webui", "no-webui",
 })

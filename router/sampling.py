@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from protocol import GrammarSpec, SamplingParams
+from protocol.sampling import LogprobsMode
 from router.errors import invalid
 from router.settings import SamplingOverrides
 
@@ -88,6 +89,13 @@ class SamplingRequest:
     # token id -> bias added to its logit (-inf bans it); checked against the
     # vocabulary by build_params.
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    # -1: none; N >= 0: each generated token's log probability and its N most
+    # likely alternatives (prompt_logprobs: the same for the prompt's tokens).
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    # "raw": the model's own distribution; "processed": the one each token was
+    # drawn from (llama.cpp's post_sampling_probs; protocol SamplingParams).
+    logprobs_mode: LogprobsMode = "raw"
 
 
 def resolve_seed(seed: int | None, defaults: SamplingDefaults) -> int:
@@ -151,4 +159,7 @@ def build_params(
         grammar=grammar,
         report_progress=request.report_progress,
         logit_bias=dict(request.logit_bias),
+        logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+        logprobs_mode=request.logprobs_mode,
     )

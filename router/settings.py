@@ -52,5 +52,12 @@ class ModelSettings:
     # --chat-template-kwargs: a JSON object of template variables every request
     # gets unless it sets them itself. Kept as JSON text so settings stay hashable.
     chat_template_kwargs: str = "{}"
+    # --reasoning-budget (llama.cpp's): reasoning tokens a thinking model may
+    # write when the request names no budget or effort (router/chat/
+    # thinking_budget.py); -1 no limit, 0 thinking off.
+    reasoning_budget: int = -1
     # Labels listed in the model's /models card (llama.cpp's --tags); no effect on routing.
     tags: tuple[str, ...] = ()
+    # --reranking: answer POST /rerank with this model as a yes/no judge
+    # (Qwen3-Reranker's prompt; router/rerank/). Off, rerank is refused.
+    reranking: bool = False

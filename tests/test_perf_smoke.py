@@ -24,6 +24,8 @@ PERF = ROOT / "tests" / "perf"
 # script -> extra arguments for its smoke run
 CPU_SCRIPTS = {
     "bench_cpu.py": ["--threads", "2"],
+    "bench_embeddings.py": [],
+    "bench_gpu_scores.py": [],
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
     "bench_router_streaming.py": [],

@@ -32,6 +32,7 @@ from engine.execution.device_state import (
     device_bytes,
     release_device_memory,
 )
+from engine.execution.embeddings import PooledVectors, Pooler
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
@@ -39,6 +40,7 @@ from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_in
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
 from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
+from engine.sampling.processed_logprobs import use_processed
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import SchedulerOutput
@@ -103,6 +105,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv()
         # Tokens sampled by launched steps, for the steps launched after them.
         self.future = FutureTokens(max(max_batch, 1), device)
+        # Embedding requests' vectors, and what their earlier chunks left.
+        self.pooler = Pooler(device)
         # Page-locked buffers the sampled tokens reach the host through, used in
         # turn: a step samples at most twice (rows that need the step before on
         # the host go second), and at most two steps are not yet completed.
@@ -254,12 +258,15 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput) -> StepForward:
         """Launch the forward pass of a scheduled step; placeholder input ids
         (tokens still on the device) are read from the future-token buffer.
-        A step that scores prompt tokens runs eagerly: it needs the hidden
-        states of those positions, which no graph keeps."""
+        A step that scores prompt tokens or pools an embedding runs eagerly:
+        it needs the hidden states of those positions, which no graph keeps."""
         inputs = build_step_inputs(out, self.page_size)
-        if not any(chunk.scored for chunk in out.chunks):
+        embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
+                     if chunk.seq.params.pooling is not None]
+        if not embedding and not any(chunk.scored for chunk in out.chunks):
             return StepForward(inputs, self._logits(inputs))
         hidden = self._forward(inputs)
+        pooled = self.pooler.pool(hidden, inputs, embedding) if embedding else None
         scores: list[tuple[int, PromptScores]] = []
         for index, chunk in enumerate(out.chunks):
             if chunk.scored is None:
@@ -277,7 +284,11 @@ class ModelRunner:
             rows = hidden if len(inputs.sample_rows) == inputs.num_tokens else \
                 hidden.index_select(0, self._rows(inputs.sample_rows))
             logits = self.model.compute_logits(rows)
-        return StepForward(inputs, logits, scores)
+        return StepForward(inputs, logits, scores, pooled)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: drop what the device side kept for it."""
+        self.pooler.forget(request_id)
 
     @torch.inference_mode()
     def sample(self, step: StepForward, first_slot: int, mask: TokenMask | None = None,
@@ -300,9 +311,12 @@ class ModelRunner:
             tokens = self.sampler.sample(logits, seqs, mask)
             device_tokens = torch.tensor(tokens, dtype=torch.int64).to(self.device)
             self.future.write(first_slot, device_tokens, rows)
+            use_processed(asked, logits, seqs, self.sampler)
             return SampledTokens(tokens, logprobs=asked.to_host(device_tokens) if asked else None)
         device_tokens = self.sampler.sample_on_device(logits, seqs, mask)
         self.future.write(first_slot, device_tokens, rows)
+        # Rows in logprobs_mode "processed": the distribution they drew from.
+        use_processed(asked, logits, seqs, self.sampler)
         # Queued before the tokens' copy, so its done event covers them too.
         logprobs = asked.to_host(device_tokens) if asked else None
         return self._to_host(device_tokens, logprobs)
@@ -369,6 +383,8 @@ class StepForward:
     logits: torch.Tensor | None
     # (chunk index, its prompt scores) for the chunks that score prompt tokens.
     scores: list[tuple[int, PromptScores]] = field(default_factory=list)
+    # The embeddings of the requests whose prompt this step finished.
+    pooled: PooledVectors | None = None
 
 
 class SampledTokens:

@@ -34,8 +34,11 @@ class KVManager:
         """
         pages: list[int] = []
         hashes: list[bytes] = []
-        if seq.params.prompt_logprobs >= 0:
-            # Scoring needs every prompt position's logits: nothing is skipped.
+        params = seq.params
+        if params.prompt_logprobs >= 0 or params.pooling in ("mean", "cls"):
+            # Scoring needs every prompt position's logits, mean pooling every
+            # position's hidden state, CLS the first's: nothing is skipped.
+            # (Last pooling reads only the last token, which is always computed.)
             return pages, hashes
         parent = ROOT_HASH
         ps = self.page_size

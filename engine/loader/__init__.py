@@ -17,6 +17,7 @@ import torch
 from engine.loader.gguf_weights import GGUFCheckpoint
 from engine.loader.hf_weights import HFCheckpoint
 from engine.models import CausalLM, ModelConfig, build_model
+from protocol import Pooling
 
 ProgressCallback = Callable[[float, str], None]
 
@@ -27,12 +28,15 @@ class LoadedModel:
     model: CausalLM
     n_params: int
     size_bytes: int  # bytes of the weights as stored on disk
+    # The embedding pooling the checkpoint names itself (engine/loader/pooling.py).
+    pooling: Pooling | None = None
 
 
 class Checkpoint(Protocol):
     path: Path
     config: ModelConfig
     size_bytes: int
+    pooling: Pooling | None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]: ...
 
@@ -54,7 +58,8 @@ def load_model(
     _fill_weights(model, checkpoint, report)
     report(1.0)
     n_params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(checkpoint.config, model, n_params, checkpoint.size_bytes)
+    return LoadedModel(checkpoint.config, model, n_params, checkpoint.size_bytes,
+                       checkpoint.pooling)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:

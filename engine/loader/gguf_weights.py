@@ -11,6 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from engine.loader.pooling import gguf_pooling
 from engine.models import model_class
 from engine.models.config import ModelConfig
 
@@ -49,6 +50,7 @@ class GGUFCheckpoint:
             raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
         self.config = ModelConfig.from_gguf(self.reader)
         self.size_bytes = path.stat().st_size
+        self.pooling = gguf_pooling(_metadata_value(self.reader, "pooling_type"))
         self._unpermute_qk = model_class(self.config.architecture).gguf_permuted_qk
         _check_tensor_types(self.reader, path)
 
@@ -125,3 +127,10 @@ def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+def _metadata_value(reader: GGUFReader, key: str) -> object:
+    """`<arch>.<key>` of the file's metadata, or None."""
+    arch = reader.fields.get("general.architecture")
+    field = reader.fields.get(f"{arch.contents()}.{key}") if arch is not None else None
+    return field.contents() if field is not None else None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.loader.pooling import sentence_transformers_pooling
 from engine.models.config import ModelConfig
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -23,6 +24,7 @@ class HFCheckpoint:
         self.config = ModelConfig.from_hf_config(read_hf_config(directory))
         self.files = safetensors_files(directory)
         self.size_bytes = sum(f.stat().st_size for f in self.files)
+        self.pooling = sentence_transformers_pooling(directory)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
         """(HF name, CPU tensor as stored, fraction of bytes read)."""

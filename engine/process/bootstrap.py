@@ -19,6 +19,7 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.kv_manager import KVManager
 from engine.kv.kv_sizing import plan_kv
 from engine.loader import LoadedModel, load_model
+from engine.loader.pooling import choose_pooling
 from engine.sampling.sampler import Sampler
 from engine.scheduling.core import EngineCore
 from engine.scheduling.scheduler import Scheduler
@@ -149,6 +150,8 @@ def assemble_engine(
         max_context=plan.max_context,
     )
     core = EngineCore(runner, scheduler, sampler, vocab_size=model.vocab_size, emit=emit)
+    pooling, why = choose_pooling(config.pooling, loaded.pooling)
+    log.info("embeddings: %s pooling (%s), %d dimensions", pooling, why, model.hidden_size)
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,
         pid=os.getpid(),
@@ -164,6 +167,7 @@ def assemble_engine(
             size_bytes=loaded.size_bytes,
             dtype=str(dtype).removeprefix("torch."),
             device=str(device),
+            pooling=pooling,
         ),
         kv=KvFacts(
             page_size=plan.page_size,

@@ -6,7 +6,9 @@ grammar's forbidden tokens or divides by the temperature (vLLM's default
 "raw_logprobs"; what OpenAI's clients compare across requests). A step
 computes them only for its rows with SamplingParams.logprobs >= 0, on the
 logits' device, and copies them to the host with the sampled tokens: a row
-that did not ask costs nothing.
+that did not ask costs nothing. A row may also name token ids whose log
+probabilities it wants at each sampled position (a rerank judge's "yes" and
+"no"): a gather from the same log_softmax.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class RowLogprobs:
     counts: list[int]  # alternatives each row asked for
     logprobs: torch.Tensor  # float32 [R, vocab]
     top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [R, max count]
+    # Those of the token ids each row named (SamplingParams.logprob_token_ids),
+    # or None when no row named any.
+    named: NamedLogprobs | None = None
 
     @classmethod
     def of(cls, logits: torch.Tensor, seqs: Seq[Sequence]) -> RowLogprobs | None:
@@ -41,7 +46,8 @@ class RowLogprobs:
         logprobs = torch.log_softmax(chosen.float(), dim=-1)
         widest = max(counts)
         top = logprobs.topk(widest, dim=-1) if widest > 0 else None
-        return cls(rows, counts, logprobs, (top.values, top.indices) if top else None)
+        named = NamedLogprobs.of(logprobs, [seqs[row].params.logprob_token_ids for row in rows])
+        return cls(rows, counts, logprobs, (top.values, top.indices) if top else None, named)
 
     def to_host(self, tokens: torch.Tensor) -> HostLogprobs:
         """Gather the sampled tokens' (tokens: int64 [N] of all sampled rows)
@@ -60,7 +66,30 @@ class RowLogprobs:
             return copy.copy_(tensor, non_blocking=True)
 
         top = (host(self.top[0]), host(self.top[1])) if self.top is not None else None
-        return HostLogprobs(self.rows, self.counts, host(sampled), top)
+        named = (NamedLogprobs(self.named.lengths, host(self.named.values))
+                 if self.named is not None else None)
+        return HostLogprobs(self.rows, self.counts, host(sampled), top, named)
+
+
+@dataclass
+class NamedLogprobs:
+    """The log probabilities of the token ids rows named, gathered on the
+    logits' device from the rows' log_softmax: one small gather, no second
+    pass over the vocabulary."""
+
+    lengths: list[int]  # ids each row named
+    values: torch.Tensor  # float32 [R, most named], padded rows past their length
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, named: list[list[int]]) -> NamedLogprobs | None:
+        """logprobs [R, vocab] of the asking rows, named[i] row i's ids."""
+        widest = max(len(ids) for ids in named)
+        if widest == 0:
+            return None
+        # Short rows are padded with token 0, whose values are never read.
+        padded = [ids + [0] * (widest - len(ids)) for ids in named]
+        index = torch.tensor(padded, dtype=torch.int64).to(logprobs.device, non_blocking=True)
+        return cls([len(ids) for ids in named], logprobs.gather(1, index))
 
 
 @dataclass
@@ -69,6 +98,7 @@ class HostLogprobs:
     counts: list[int]
     sampled: torch.Tensor  # float32 [R]
     top: tuple[torch.Tensor, torch.Tensor] | None
+    named: NamedLogprobs | None = None
 
     def per_row(self, num_rows: int) -> list[TokenLogprobs | None]:
         """One entry per sampled row of the part (None for rows that did not
@@ -77,11 +107,15 @@ class HostLogprobs:
         sampled = self.sampled.tolist()
         values = self.top[0].tolist() if self.top is not None else None
         ids = self.top[1].tolist() if self.top is not None else None
+        named = self.named.values.tolist() if self.named is not None else None
         for i, (row, count) in enumerate(zip(self.rows, self.counts, strict=True)):
             if values is None or ids is None or count == 0:
-                result[row] = TokenLogprobs(sampled[i])
+                entry = TokenLogprobs(sampled[i])
             else:
-                result[row] = TokenLogprobs(sampled[i], ids[i][:count], values[i][:count])
+                entry = TokenLogprobs(sampled[i], ids[i][:count], values[i][:count])
+            if named is not None and self.named is not None and self.named.lengths[i]:
+                entry.named_logprobs = named[i][: self.named.lengths[i]]
+            result[row] = entry
         return result
 
 

@@ -3,7 +3,9 @@
 Grammar rows first lose the tokens their grammar forbids (a TokenMask, see
 engine/sampling/grammar.py), then rows with a logit_bias get it added. Greedy rows take the argmax. Sampled rows apply
 penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
-batch, and draw from what is left. A request with a seed draws from its own
+batch, and draw from what is left. A row whose token is forced
+(engine/sampling/forced_tokens.py) is left one finite logit after the
+penalties, so it draws that token whatever it is sampled with. A request with a seed draws from its own
 generator, so its tokens do not depend on which other requests share the batch.
 
 On CUDA with our kernels (use_kernel), the truncation and the draw run in one
@@ -11,16 +13,23 @@ kernel for the whole batch (kernels/sampling.py): each row draws from a
 counter-based random stream keyed by the request's seed and its count of
 output tokens, so again a request's tokens do not depend on its batch. A
 request without a seed gets one from the engine's seeded generator.
+
+final_logprobs gives the distribution a row drew from, for the rows that ask
+for it (SamplingParams.logprobs_mode "processed", llama.cpp's
+post_sampling_probs); engine/sampling/processed_logprobs.py puts it in place
+of the raw one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.scheduling.sequence import Sequence
+from kernels.reference import sampling_survivors
 from kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
@@ -72,6 +81,8 @@ class Sampler:
             mask.apply(logits)
         self._apply_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
+        if mask is not None:
+            mask.force(logits)  # last: a forced token outvotes bias and penalties
         result = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
@@ -91,6 +102,8 @@ class Sampler:
             mask.apply(logits)
         self._apply_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
+        if mask is not None:
+            mask.force(logits)  # last: a forced token outvotes bias and penalties
         if all(seq.params.greedy for seq in seqs):
             return logits.argmax(dim=-1)
         return self._sample_with_kernel(logits, seqs)
@@ -148,7 +161,36 @@ class Sampler:
                 logits[row] -= counts * params.frequency_penalty
                 logits[row] -= (counts > 0).to(logits.dtype) * params.presence_penalty
 
+    def final_logprobs(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        """float32 [N, vocab]: the log of the distribution each row drew its
+        token from, for logits as sample() leaves them (masked, biased and
+        penalised in place): after temperature, top-k, top-p and min-p, cut
+        tokens -inf and the survivors renormalised; a greedy row is one-hot
+        at its argmax (log 1 = 0). The kernel path reports the survivors of
+        kernels.reference.sampling_survivors, the kernel's own rule."""
+        if self.use_kernel:
+            return _kernel_final_logprobs(logits, seqs)
+        final = torch.full_like(logits, -math.inf)
+        final.scatter_(1, logits.argmax(dim=-1, keepdim=True), 0.0)
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            cut = self._cut(logits.index_select(0, rows), [seqs[i] for i in sampled_rows])
+            kept = cut.scaled.masked_fill(cut.drop, -math.inf).log_softmax(dim=-1)
+            final.index_copy_(0, rows, torch.empty_like(kept).scatter_(1, cut.order, kept))
+        return final
+
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        cut = self._cut(logits, seqs)
+        probs = cut.probs.masked_fill(cut.drop, 0.0)
+        picks = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for row, seq in enumerate(seqs):
+            picks[row] = torch.multinomial(probs[row], 1, generator=self._generator(seq))[0]
+        return cut.order.gather(1, picks.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def _cut(logits: torch.Tensor, seqs: list[Sequence]) -> _Cut:
+        """Temperature, then top-k, top-p and min-p on one sorted copy of the rows."""
         device = logits.device
         vocab = logits.shape[1]
         temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
@@ -168,9 +210,27 @@ class Sampler:
         min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
         drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
         drop[:, 0] = False  # the most likely token always survives
-        probs = probs.masked_fill(drop, 0.0)
+        return _Cut(sorted_logits, probs, order, drop)
 
-        picks = torch.empty(len(seqs), dtype=torch.long, device=device)
-        for row, seq in enumerate(seqs):
-            picks[row] = torch.multinomial(probs[row], 1, generator=self._generator(seq))[0]
-        return order.gather(1, picks.unsqueeze(1)).squeeze(1)
+
+class _Cut(NamedTuple):
+    """Rows sorted by scaled logit, most likely first."""
+
+    scaled: torch.Tensor  # logits / temperature, sorted
+    probs: torch.Tensor  # their softmax
+    order: torch.Tensor  # token id at each sorted position
+    drop: torch.Tensor  # True where top-k, top-p or min-p cut the token
+
+
+def _kernel_final_logprobs(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    # The rows' settings as _sample_with_kernel passes them (greedy: temperature 0).
+    device = logits.device
+    params = [seq.params for seq in seqs]
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params],
+                               dtype=torch.float32).to(device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32).to(device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
+    keep = sampling_survivors(logits, temperature, top_k, top_p, min_p)
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return (logits / scale.unsqueeze(1)).masked_fill(~keep, -math.inf).log_softmax(dim=-1)

@@ -35,9 +35,13 @@ class TokenMask:
 
     bitmask: torch.Tensor  # int32 [n, ceil(vocab / 32)] on the logits' device; row i for logits row i
     rows: list[int]  # the logits rows to mask; the others stay untouched
+    # (logits row, token): rows whose token is forced (engine/sampling/forced_tokens.py).
+    forced: tuple[tuple[int, int], ...] = ()
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the disallowed logits of the grammar rows to -inf, in place."""
+        if not self.rows:
+            return
         if logits.device.type == "cpu":
             apply_on_host(logits, self.bitmask, self.rows)
         else:
@@ -45,6 +49,17 @@ class TokenMask:
 
             xgrammar.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1],
                                                  indices=self.rows)
+
+    def force(self, logits: torch.Tensor) -> None:
+        """Leave each forced row one finite logit, its token's, in place. The
+        sampler calls it last, after logit_bias and penalties, so that no bias
+        (not even a ban) and no grammar can outvote a forced token."""
+        if not self.forced:
+            return
+        rows = torch.tensor([row for row, _ in self.forced], device=logits.device)
+        tokens = torch.tensor([token for _, token in self.forced], device=logits.device)
+        logits.index_fill_(0, rows, float("-inf"))
+        logits[rows, tokens] = 0.0
 
 
 def apply_on_host(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

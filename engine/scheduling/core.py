@@ -11,11 +11,13 @@ device's. Each turn:
    behind step N, reading step N's tokens from the device where they are
    needed (engine/execution/future_tokens.py);
 3. launch step N + 1's sampling, but for rows that need step N's token on
-   the host first (a grammar mask, penalties over its tokens);
+   the host first (a grammar mask, penalties over its tokens, a token that
+   may be forced: engine/sampling/forced_tokens.py);
 4. complete step N: wait for its tokens, advance the grammar matchers, let
    the scheduler place the tokens and finish sequences, queue the outputs;
-5. for the rows put off, fill the grammar masks now (the device is still
-   busy with step N + 1's forward pass) and launch their sampling;
+5. for the rows put off, fill the grammar masks and decide the forced
+   tokens now (the device is still busy with step N + 1's forward pass) and
+   launch their sampling;
 6. publish step N's outputs.
 A step's outputs are always taken before the buffers they came through are
 used again (two alternating halves of each), and every event of step N (a
@@ -24,6 +26,11 @@ is scheduled. A sequence that stopped at step N was already in step N + 1:
 that step's work for it is dropped. On the CPU (or without our kernels) the
 tokens are known as soon as they are sampled, and the same loop simply never
 waits.
+
+Embedding requests (SamplingParams.pooling) run as scored prompts do:
+chunked, eagerly, nothing sampled; the runner pools their hidden states
+(engine/execution/embeddings.py) and the output that finishes one carries
+its vector.
 
 Requests with a grammar get an xgrammar matcher when they arrive (the grammar
 is compiled then); every step masks their logits and advances their matchers
@@ -40,7 +47,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.execution.embeddings import PooledVectors, embedding_error
 from engine.execution.model_runner import ModelRunner, SampledTokens, StepForward
+from engine.sampling.forced_tokens import ForcedTokens, check_budget
 from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarError
 from engine.sampling.logprobs import PromptScores
 from engine.sampling.sampler import Sampler
@@ -66,6 +75,7 @@ from protocol import (
     TokenLogprobs,
     Wake,
 )
+from protocol.sampling import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +99,8 @@ class InFlight:
     launched_at: float
     # Prompt tokens scored by this step: (chunk, their log probabilities).
     scores: list[tuple[ScheduledChunk, PromptScores]] = field(default_factory=list)
+    # Embeddings of the requests whose prompt it finished.
+    pooled: PooledVectors | None = None
 
 
 class EngineCore:
@@ -107,6 +119,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.emit = emit
         self.grammar = EngineGrammar(vocab_size, runner.device)
+        self.forced = ForcedTokens()
         self.step_count = 0
         self._in_flight: InFlight | None = None
         self._last_completed_at = 0.0
@@ -207,6 +220,11 @@ class EngineCore:
             code, message = error
             self.emit(RequestError(command.request_id, code, message))
             return
+        reasoning = command.params.reasoning
+        problem = check_budget(reasoning, self.vocab_size) if reasoning is not None else None
+        if problem is not None:
+            self.emit(RequestError(command.request_id, ErrorCode.INVALID_REQUEST, problem))
+            return
         grammar = command.params.grammar
         if grammar is not None:
             try:
@@ -218,6 +236,8 @@ class EngineCore:
                         else ErrorCode.INVALID_REQUEST)
                 self.emit(RequestError(command.request_id, code, str(exc)))
                 return
+        if reasoning is not None:
+            self.forced.admit(command.request_id, reasoning)
         seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
         self.scheduler.add(seq)
         self._stats.prompt_tokens_total += seq.num_prompt_tokens
@@ -229,7 +249,9 @@ class EngineCore:
             return ErrorCode.DUPLICATE_REQUEST, f"request id {command.request_id!r} is already running"
         if not prompt:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
-        only_scored = command.params.max_tokens == 0 and command.params.prompt_logprobs >= 0
+        # A scored prompt or an embedding generates nothing: it may fill the context.
+        only_scored = command.params.max_tokens == 0 and (
+            command.params.prompt_logprobs >= 0 or command.params.pooling is not None)
         if len(prompt) > max_context or (len(prompt) == max_context and not only_scored):
             return (
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -240,7 +262,11 @@ class EngineCore:
         if bad is not None:
             return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
         params = command.params
-        scores_prompt = params.prompt_logprobs >= 0
+        if params.pooling is not None:
+            problem = embedding_error(params)
+            if problem is not None:
+                return ErrorCode.INVALID_REQUEST, problem
+        scores_prompt = params.prompt_logprobs >= 0 or params.pooling is not None
         if params.max_tokens < (0 if scores_prompt else 1):
             return (ErrorCode.INVALID_REQUEST,
                     "max_tokens must be at least 1 (0 only when the prompt is scored)")
@@ -253,6 +279,23 @@ class EngineCore:
         if bad is not None:
             return (ErrorCode.INVALID_REQUEST,
                     f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return self._check_named_ids(params)
+
+    def _check_named_ids(self, params: SamplingParams) -> tuple[ErrorCode, str] | None:
+        """SamplingParams.logprob_token_ids: few, in the vocabulary, and only
+        beside the sampled tokens' own log probabilities, which carry them."""
+        named = params.logprob_token_ids
+        if not named:
+            return None
+        if params.logprobs < 0:
+            return ErrorCode.INVALID_REQUEST, "logprob_token_ids needs logprobs >= 0"
+        if len(named) > MAX_LOGPROB_TOKEN_IDS:
+            return (ErrorCode.INVALID_REQUEST, f"logprob_token_ids names {len(named)} tokens; "
+                    f"at most {MAX_LOGPROB_TOKEN_IDS}")
+        bad = next((t for t in named if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return (ErrorCode.INVALID_REQUEST, f"logprob_token_ids token id {bad} is outside the "
+                    f"vocabulary (0..{self.vocab_size - 1})")
         return None
 
     # ---- the loop ------------------------------------------------------------
@@ -308,7 +351,8 @@ class EngineCore:
         if forward is not None:
             if put_off:
                 rows = put_off if len(put_off) < len(sampling) else None
-                mask = self.grammar.fill([sampling[row] for row in put_off])
+                seqs = [sampling[row] for row in put_off]
+                mask = self.forced.force(self.grammar.fill(seqs), seqs)
                 parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
             launched = self._launched(out, parts, forward, launched_at)
             self.step_count += 1
@@ -323,9 +367,11 @@ class EngineCore:
 
     def _needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a sampling row needs its newest token on the host before
-        it can be sampled: a grammar mask, or penalties over its tokens."""
+        it can be sampled: a grammar mask, penalties over its tokens, or a
+        token that may be forced (engine/sampling/forced_tokens.py)."""
         # A request with a grammar has a matcher: admission refuses it otherwise.
-        return seq.params.has_penalties or seq.params.grammar is not None
+        return (seq.params.has_penalties or seq.params.grammar is not None
+                or self.forced.needs_host(seq))
 
     def _sample(self, out: SchedulerOutput, forward: StepForward, first_slot: int,
                 mask: TokenMask | None = None, rows: list[int] | None = None) -> SampledTokens:
@@ -350,7 +396,7 @@ class EngineCore:
                           else chunk.seq.num_output_tokens == 0)]
         scores = [(out.chunks[index], chunk_scores) for index, chunk_scores in forward.scores]
         return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
-                        launched_at, scores)
+                        launched_at, scores, pooled=forward.pooled)
 
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""
@@ -372,12 +418,17 @@ class EngineCore:
         # Then the prompt tokens scored, before any token sampled after them.
         self._pending.extend(self._scored(chunk.seq, scores) for chunk, scores in flight.scores
                              if id(chunk.seq) not in gone)
+        embeddings = ({id(out.chunks[index]): vector
+                       for index, vector in flight.pooled.by_chunk().items()}
+                      if flight.pooled is not None else {})
         for chunk in changed:
             seq = chunk.seq
             if seq.request_id in verdict.rejected:
                 continue
-            if chunk.token_index < 0:  # a prompt scored, nothing generated
-                self._pending.append(self._output(seq, []))
+            if chunk.token_index < 0:  # a prompt scored or embedded, nothing generated
+                output = self._output(seq, [])
+                output.embedding = embeddings.get(id(chunk), b"")
+                self._pending.append(output)
                 self._forget(seq.request_id)
                 continue
             row_logprobs = logprobs_of.get(id(chunk))
@@ -433,6 +484,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
         self.grammar.forget(request_id)
+        self.forced.forget(request_id)
+        self.runner.forget(request_id)
 
     def _output(self, seq: Sequence, tokens: list[int],
                 logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:

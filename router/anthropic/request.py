@@ -17,6 +17,7 @@ from router.anthropic.fields import refuse
 from router.anthropic.schemas import ConversationFields, MessagesRequest
 from router.anthropic.tools import function_tools, tool_choice
 from router.chat.request import ChatRequest
+from router.chat.thinking_budget import ThinkingBudget
 from router.json_schema_limits import check_enforceable
 from router.sampling import SamplingRequest, check_range
 from router.text.stop_strings import check_stops
@@ -31,12 +32,14 @@ class ThinkingChoice:
     enabled: bool | None
     # display "omitted": thinking blocks carry only their signature.
     show: bool = True
+    # type "enabled": budget_tokens, held by the engine.
+    budget: ThinkingBudget | None = None
 
 
 def thinking_choice(thinking: dict[str, Any] | None, max_tokens: int | None) -> ThinkingChoice:
-    """disabled -> off, enabled -> on (budget checked as Anthropic does, not
-    enforced: max_tokens caps thinking and answer together), adaptive or
-    absent -> the template's default."""
+    """disabled -> off, enabled -> on with budget_tokens (checked as
+    Anthropic does; the engine ends the thinking there), adaptive or absent
+    -> the template's default."""
     if thinking is None:
         return ThinkingChoice(None)
     kind = thinking.get("type")
@@ -58,7 +61,7 @@ def thinking_choice(thinking: dict[str, Any] | None, max_tokens: int | None) -> 
     if max_tokens is not None and budget >= max_tokens:
         raise refuse("thinking.budget_tokens",
                      f"max_tokens ({max_tokens}) must be greater than thinking.budget_tokens ({budget})")
-    return ThinkingChoice(True, show)
+    return ThinkingChoice(True, show, ThinkingBudget(budget))
 
 
 def answer_format(output_config: dict[str, Any] | None) -> GrammarSpec | None:
@@ -129,6 +132,7 @@ def chat_request(req: ConversationFields, *, sampling: SamplingRequest | None = 
         strict_tools=strict,
         parallel_tool_calls=parallel,
         enable_thinking=thinking.enabled,
+        thinking_budget=thinking.budget,
         prefill=talk.prefill,
         response_format=answer_format(req.output_config),
         tool_id_prefix="toolu_",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol import GrammarSpec
+from router.chat.thinking_budget import ThinkingBudget
 from router.sampling import SamplingRequest
 
 
@@ -34,6 +35,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     # None: whatever the template does by default.
     enable_thinking: bool | None = None
+    # Reasoning tokens the model may write before the engine ends its block
+    # (router/chat/thinking_budget.py); None: the request names none.
+    thinking_budget: ThinkingBudget | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Text the assistant turn already starts with (an Anthropic prefill); the
     # model continues it and it is not sent back.

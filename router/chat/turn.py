@@ -10,10 +10,12 @@ The template sees the tools unless tool_choice is "none". "required" and a
 named tool are enforced with a grammar (router/chat/tool_grammar.py), as is a
 JSON response format; under "auto", a grammar holds the calls of strict tools
 to their schemas and leaves the text free. The model may think first when
-thinking is on. The
-output goes through the reasoning parser (when the template thinks) and the
-tool-call parser (when tools are offered): reasoning is never parsed for
-tool calls.
+thinking is on; a thinking budget (router/chat/thinking_budget.py) is held
+by the engine, which ends the block itself when the budget is spent, and
+forces a forced call's opener right after the block. For both the block
+opens in the prompt. The output goes through the reasoning parser (when the
+template thinks) and the tool-call parser (when tools are offered):
+reasoning is never parsed for tool calls.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import GrammarSpec
+import msgspec
+
+from protocol import GrammarSpec, ReasoningBudget
 from router.chat.events import (
     ContentDelta,
     ParsedEvent,
@@ -30,6 +34,14 @@ from router.chat.events import (
     ToolCallEnd,
 )
 from router.chat.request import ChatRequest, NamedTool
+from router.chat.thinking_budget import (
+    OPEN_BLOCK,
+    UNLIMITED,
+    ThinkingBudget,
+    reasoning_budget,
+    server_budget,
+    thinking_switch,
+)
 from router.chat.tool_grammar import (
     answer_grammar,
     call_opener,
@@ -63,6 +75,11 @@ class PreparedTurn:
     # The start of a forced tool call written at the end of the prompt (and
     # fed to the tool-call parser first), or "".
     opener: str = ""
+    # With thinking "inside": the budget the engine holds the block to
+    # (None: no limit), and the text it forces right after the block (a
+    # forced call's opener, which then streams as output), or "".
+    budget: ThinkingBudget | None = None
+    after_block: str = ""
 
     def admit(self, slot: ModelSlot, *, param: str = "messages", limit_field: str = "max_tokens",
               clamp: bool = False) -> None:
@@ -79,8 +96,12 @@ async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequ
     text = await manager.text_for(slot)
     offered = request.tools if request.tools and request.tool_choice != "none" else None
     kwargs = dict(request.template_kwargs)
-    if request.enable_thinking is not None:
-        kwargs["enable_thinking"] = request.enable_thinking
+    budget = request.thinking_budget or server_budget(slot.entry.settings.reasoning_budget)
+    switch = thinking_switch(request.enable_thinking, budget,
+                             request.enable_thinking is not None or request.thinking_budget is not None,
+                             request.response_format, text.template_defaults)
+    if switch is not None:
+        kwargs["enable_thinking"] = switch
     messages = list(request.messages)
     if request.prefill:
         messages.append({"role": "assistant", "content": request.prefill})
@@ -101,8 +122,15 @@ async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequ
     tool_format = (detect_tool_format(source) or "hermes") if offered else None
     opener = _opener(request, tool_format, thinking)
     prompt += opener
+    limited = budget is not None and budget.tokens != UNLIMITED
+    if thinking == "open" and not request.prefill and (limited or _forced(request, tool_format)):
+        # The engine holds the block from the output's first token: it opens
+        # in the prompt, as thinking templates of newer models open it.
+        prompt += OPEN_BLOCK
+        thinking = "inside"
+    after = _after_block(request, tool_format) if thinking == "inside" else ""
     return PreparedTurn(slot, text, request, prompt, await text.encode_prompt_async(prompt),
-                        tool_format, thinking, opener)
+                        tool_format, thinking, opener, budget if limited else None, after)
 
 
 def _forced(request: ChatRequest, tool_format: str | None) -> bool:
@@ -115,7 +143,20 @@ def _opener(request: ChatRequest, tool_format: str | None, thinking: str) -> str
     (and the name), so the call costs what a free one does instead of the
     wrapper spelled token by token under the grammar. Not when the model may
     think first, nor after a prefill the call must follow."""
-    if not _forced(request, tool_format) or thinking != "off" or request.prefill:
+    if thinking != "off" or request.prefill:
+        return ""
+    return _forced_opener(request, tool_format)
+
+
+def _after_block(request: ChatRequest, tool_format: str | None) -> str:
+    """When the model thinks first, the engine forces the opener once the
+    block closes (by the model or at its budget): the call starts there
+    as it starts in the prompt otherwise."""
+    return _forced_opener(request, tool_format)
+
+
+def _forced_opener(request: ChatRequest, tool_format: str | None) -> str:
+    if not _forced(request, tool_format):
         return ""
     assert tool_format is not None
     choice = request.tool_choice
@@ -124,6 +165,17 @@ def _opener(request: ChatRequest, tool_format: str | None, thinking: str) -> str
     # "required" with one tool to call names it; with several, the model names one.
     only = request.tools[0]["function"]["name"] if len(request.tools) == 1 else None
     return call_opener(tool_format, only)
+
+
+def _reasoning(prepared: PreparedTurn, max_tokens: int, under_grammar: bool) -> ReasoningBudget | None:
+    """What the engine holds the reasoning block to, if anything."""
+    if prepared.thinking != "inside":
+        return None
+    tokens = prepared.budget.for_output(max_tokens) if prepared.budget is not None else UNLIMITED
+    if tokens == UNLIMITED and not prepared.after_block:
+        return None
+    return reasoning_budget(prepared.text, tokens, under_grammar=under_grammar,
+                            after=prepared.after_block)
 
 
 def _grammar(prepared: PreparedTurn) -> GrammarSpec | None:
@@ -164,6 +216,9 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
         grammar=grammar,
         n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None,
     )
+    reasoning = _reasoning(prepared, params.max_tokens, grammar is not None)
+    if reasoning is not None:
+        params = msgspec.structs.replace(params, reasoning=reasoning)
     spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens)
     return TurnRun(prepared, Generation(engine.client, prepared.text, request_id, spec))
 

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from router.capabilities import model_capabilities
 from router.errors import NotFound
 from router.http.errors import ApiError, decode_body
 from router.http.keys import MANAGER, STARTED
@@ -104,6 +105,7 @@ def model_card(manager: ModelManager, slot: ModelSlot, created: int) -> dict[str
         "path": str(slot.entry.path),
         "modalities": MODALITIES,
         "architecture": ARCHITECTURE,
+        "capabilities": model_capabilities(settings),
         "status": _status(slot),
         "memory": device_memory(manager, slot),
     }
@@ -119,6 +121,8 @@ def model_card(manager: ModelManager, slot: ModelSlot, created: int) -> dict[str
             "n_embd": facts.n_embd,
             "n_params": facts.n_params,
             "size": facts.size_bytes,
+            # How its embeddings pool (/v1/embeddings, /embedding): ours.
+            "pooling": facts.pooling,
         }
     return card
 

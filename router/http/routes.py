@@ -15,6 +15,7 @@ from router.http.metrics_route import serve_metrics
 from router.http.route_info import ROUTE_TABLE, Access, Api, Route
 from router.http.status import health, load, stats
 from router.llamacpp.completion import completion
+from router.llamacpp.embedding import embedding
 from router.llamacpp.infill import infill
 from router.llamacpp.props import get_props, post_props
 from router.llamacpp.template import apply_template
@@ -23,6 +24,8 @@ from router.openai import models as openai_models
 from router.openai.chat import chat_completions
 from router.openai.chat_tokens import count_chat_tokens
 from router.openai.completions import completions
+from router.openai.embeddings import embeddings
+from router.rerank.handler import rerank
 from router.responses.handlers import (
     cancel_response,
     count_input_tokens,
@@ -62,6 +65,7 @@ ROUTES: list[Route] = [
     Route("POST", "/v1/chat/completions/input_tokens", count_chat_tokens, OAI),
     Route("POST", "/chat/completions/input_tokens", count_chat_tokens, OAI),
     Route("POST", "/v1/completions", completions, OAI),
+    Route("POST", "/v1/embeddings", embeddings, OAI),
     Route("POST", "/v1/responses", create_response, OAI),
     Route("POST", "/v1/responses/input_tokens", count_input_tokens, OAI),
     # Unprefixed, as llama.cpp serves them too.
@@ -79,11 +83,20 @@ ROUTES: list[Route] = [
     Route("POST", "/completion", completion, LCP),
     Route("POST", "/completions", completion, LCP),
     Route("POST", "/infill", infill, LCP),
+    # llama.cpp's embeddings answer (not OpenAI's) under both of its names.
+    Route("POST", "/embedding", embedding, LCP),
+    Route("POST", "/embeddings", embedding, LCP),
     Route("POST", "/tokenize", tokenize, LCP),
     Route("POST", "/detokenize", detokenize, LCP),
     Route("POST", "/apply-template", apply_template, LCP),
     Route("GET", "/props", get_props, LCP),
     Route("POST", "/props", post_props, LCP),
+    # Rerank under llama.cpp's four paths, in Jina's and Cohere's shape
+    # (router/rerank/); the /v1 ones answer errors in OpenAI's shape.
+    Route("POST", "/rerank", rerank, LCP),
+    Route("POST", "/reranking", rerank, LCP),
+    Route("POST", "/v1/rerank", rerank, OAI),
+    Route("POST", "/v1/reranking", rerank, OAI),
 ]
 
 # The web page (docs/webui.md), left out with --no-webui. Open: the page holds

@@ -49,10 +49,13 @@ DRAIN_EVERY = 0x10000
 def plain_chunk_writer(writer: Any, response: web.StreamResponse) -> StreamWriter | None:
     """The response's writer when its body is plain HTTP/1.1 chunks (no
     compression, no declared length, no write callbacks), which EventStream
-    may then write to the transport itself; else None."""
+    may then write to the transport itself; else None. Every aiohttp from
+    the oldest we accept (3.9, without on_body_write) counts its writes in
+    buffer_size and output_size."""
     if (type(writer) is StreamWriter and writer.chunked and writer.length is None
-            and not response.compression and writer.on_body_write is None
-            and getattr(writer, "_on_chunk_sent", None) is None):
+            and not response.compression and getattr(writer, "on_body_write", None) is None
+            and getattr(writer, "_on_chunk_sent", None) is None
+            and hasattr(writer, "buffer_size") and hasattr(writer, "output_size")):
         return writer
     return None
 

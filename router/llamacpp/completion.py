@@ -5,6 +5,7 @@ engine), the request is checked against the loaded model's context, and the
 answer is one JSON object or, with `stream`, server-sent events with no
 `[DONE]`: a chunk per token, prompt progress chunks first with
 `return_progress`, and a last chunk with `stop: true` and the statistics.
+With `n_probs`, tokens come with their probabilities (router/llamacpp/responses.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from router.http.sse import (
 from router.lifecycle import ModelManager, ModelSlot
 from router.llamacpp.grammar import grammar_spec, prepare_engine
 from router.llamacpp.params import CompletionSettings, completion_settings, generation_settings
+from router.llamacpp.probabilities import ProbabilityWriter
 from router.llamacpp.prompt import prompt_ids, prompt_parts
 from router.llamacpp.responses import CompletionReport
 from router.llamacpp.schemas import CompletionRequest
@@ -127,6 +129,8 @@ async def serve_completion(request: web.Request, req: CompletionRequest, slot: M
                 timings_per_token=req.timings_per_token,
                 response_fields=req.response_fields or (),
                 prompt_only=settings.n_predict == 0,
+                probabilities=(ProbabilityWriter(text.tokenizer, req.post_sampling_probs)
+                               if req.n_probs > 0 else None),
             )
             if req.stream:
                 return await _stream(request, report)

@@ -35,8 +35,8 @@ from router.lifecycle import ModelSlot
 from router.llamacpp.completion import serve_completion
 from router.llamacpp.grammar import grammar_spec
 from router.llamacpp.params import completion_settings
-from router.llamacpp.pieces import pieces_for
 from router.llamacpp.schemas import CompletionRequest
+from router.text.token_pieces import pieces_for
 from router.text.tokenizer import Tokenizer
 
 # The spellings llama.cpp's vocabulary loader recognizes, per role.

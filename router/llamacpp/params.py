@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import SamplingParams
+from protocol import MAX_TOP_LOGPROBS, SamplingParams
 from router.http.errors import ApiError, invalid
 from router.llamacpp.schemas import CompletionRequest
 from router.sampling import SamplingRequest
@@ -89,7 +89,6 @@ _NEUTRAL: tuple[tuple[str, Callable[[CompletionRequest], bool], str], ...] = (
     ("dry_penalty_last_n", lambda r: r.dry_multiplier <= 0, "-1"),
     ("dry_sequence_breakers", lambda r: r.dry_multiplier <= 0, "the default"),
     ("adaptive_target", lambda r: r.adaptive_target < 0, "-1"),
-    ("n_probs", lambda r: r.n_probs <= 0, "0"),
     ("min_keep", lambda r: r.min_keep <= 1, "0"),
     ("n_indent", lambda r: r.n_indent <= 0, "0"),
     ("t_max_predict_ms", lambda r: r.t_max_predict_ms <= 0, "0"),
@@ -208,6 +207,11 @@ def completion_settings(req: CompletionRequest) -> CompletionSettings:
         ignore_eos=req.ignore_eos,
         report_progress=req.return_progress and req.stream,
         logit_bias=logit_biases(req.logit_bias),
+        # n_probs: each generated token's probability and its n_probs most
+        # likely alternatives (at most MAX_TOP_LOGPROBS), from the raw
+        # distribution or, with post_sampling_probs, the one it was drawn from.
+        logprobs=min(req.n_probs, MAX_TOP_LOGPROBS) if req.n_probs > 0 else -1,
+        logprobs_mode="processed" if req.post_sampling_probs else "raw",
     )
     return CompletionSettings(sampling, chain, n_predict if n_predict >= 0 else -1)
 

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from router.build_info import build_fingerprint
+from router.capabilities import model_capabilities
 from router.http.errors import ApiError
 from router.http.keys import MANAGER
 from router.http.models_api import public_id
@@ -91,7 +92,15 @@ def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict
         "cors_proxy_enabled": False,
         # Ours: available, cupy_missing (GPUs without CuPy) or no_gpu.
         "cuda_kernels": manager.cuda_kernels,
+        # Ours: whether POST /rerank is served with this model (--reranking).
+        "reranking": slot.entry.settings.reranking,
+        # Ours: what the model serves (router/capabilities.py).
+        "capabilities": model_capabilities(slot.entry.settings),
     }
+    if ready is not None:
+        # Ours: every model serves /v1/embeddings and /embedding, pooled as
+        # its engine chose at load (--pooling, the model's own, else last).
+        body["embeddings"] = {"pooling": ready.model.pooling, "n_embd": ready.model.n_embd}
     if text.template.tool_use_source is not None:
         body["chat_template_tool_use"] = text.template.tool_use_source
     return body

@@ -7,6 +7,11 @@ writes them (server_task_result_cmpl_partial/final::to_json_non_oaicompat):
 - a streamed token: `content`, `tokens`, `stop: false`, the counts, and
   `timings` with `timings_per_token`;
 - a prompt progress chunk (`return_progress`): no text, `prompt_progress`.
+
+With n_probs > 0 a streamed token's chunk carries `completion_probabilities`
+for its tokens, and the whole answer (not a stream's last chunk) for all
+of them (router/llamacpp/probabilities.py); the end-of-sequence token that
+ended the answer has its entry too, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from protocol import TokenLogprobs
 from router.generation import Generation, Piece, PromptProgress
+from router.llamacpp.probabilities import ProbabilityWriter, drop_stop_word
 
 
 def select_fields(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
@@ -58,6 +65,8 @@ class CompletionReport:
     response_fields: Sequence[str]
     # n_predict 0: the prompt was evaluated; the one token computed is not shown.
     prompt_only: bool = False
+    # n_probs > 0: writes completion_probabilities.
+    probabilities: ProbabilityWriter | None = None
 
     def _counts(self) -> dict[str, Any]:
         return {
@@ -78,7 +87,28 @@ class CompletionReport:
                                 "stop": False, **self._counts()}
         if self.timings_per_token:
             body["timings"] = self._timings()
+        if self.probabilities is not None:
+            entries = self.probabilities.entries(self._scored(piece.token_ids, piece.logprobs))
+            if entries:
+                body["completion_probabilities"] = entries
         return body
+
+    def _scored(self, token_ids: Sequence[int],
+                logprobs: Sequence[TokenLogprobs]) -> list[tuple[int, TokenLogprobs]]:
+        """Tokens with their log probabilities, the hidden stop token's included."""
+        scored = list(zip(token_ids, logprobs, strict=False))
+        stop = self.generation.stop_token_logprobs
+        if stop is not None and len(token_ids) == len(logprobs) + 1 \
+                and token_ids[-1] == self.generation.stop_token:
+            scored.append((token_ids[-1], stop))
+        return scored
+
+    def _all_probabilities(self, writer: ProbabilityWriter) -> list[dict[str, Any]]:
+        generation = self.generation
+        entries = writer.entries(self._scored(generation.token_ids, generation.logprobs))
+        if generation.stop_string is not None:
+            entries = drop_stop_word(entries, writer.count_tokens(generation.stop_string))
+        return entries
 
     def progress(self, progress: PromptProgress, elapsed_ms: int) -> dict[str, Any]:
         return {
@@ -111,4 +141,8 @@ class CompletionReport:
             "tokens_cached": generation.cached_tokens,
             "timings": self._timings(),
         }
+        if self.probabilities is not None and not self.stream and not self.prompt_only:
+            entries = self._all_probabilities(self.probabilities)
+            if entries:
+                body["completion_probabilities"] = entries
         return select_fields(body, self.response_fields) if self.response_fields else body

@@ -20,9 +20,9 @@ from aiohttp import web
 
 from router.http.errors import decode_body, invalid
 from router.http.keys import MANAGER
-from router.llamacpp.pieces import TokenPieces, pieces_for
 from router.llamacpp.schemas import DetokenizeRequest, TokenizeRequest
 from router.text.offload import off_loop
+from router.text.token_pieces import TokenPieces, pieces_for
 from router.text.tokenizer import Tokenizer
 
 # About 250,000 tokens of English; several MB of JSON with pieces.

@@ -1,9 +1,11 @@
 """A Chat Completions request, checked field by field, as a ChatRequest.
 
-What the engine cannot do gets a 400 naming the field (n > 1, audio output,
-logprobs, store, a priority, a verbosity, a thinking budget, predicted
-outputs, web search); the neutral values of those fields are accepted, and
-unknown fields are ignored, as OpenAI-compatible servers do. Legacy
+What the engine cannot do gets a 400 naming the field (audio output, store,
+a priority, a verbosity, predicted outputs, web search);
+the neutral values of those fields are accepted, and
+unknown fields are ignored, as OpenAI-compatible servers do. Thinking
+budgets (thinking_budget, reasoning_effort) map as
+router/chat/thinking_budget.py says. Legacy
 `functions` / `function_call` are read as tools / tool_choice, as OpenAI
 does; output constraints come from router/openai/guided.py.
 """
@@ -15,10 +17,16 @@ from dataclasses import replace
 from typing import Any
 
 from router.chat.request import ChatRequest, NamedTool, ToolChoice
+from router.chat.thinking_budget import ThinkingBudget, effort_budget, given_budget
 from router.http.errors import invalid
 from router.json_schema_limits import check_enforceable
 from router.openai.guided import chat_constraint
-from router.openai.params import check_common, check_max_tokens, sampling_request
+from router.openai.params import (
+    chat_logprobs,
+    check_common,
+    check_max_tokens,
+    sampling_request,
+)
 from router.openai.schemas import ChatCompletionRequest, ChatMessage
 from router.text.model_text import RENDERER_ARGUMENTS
 
@@ -170,10 +178,6 @@ def check_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
 
 
 def _refuse_what_we_cannot_do(req: ChatCompletionRequest) -> None:
-    if req.logprobs:
-        raise invalid("'logprobs' is not supported yet", "logprobs")
-    if req.top_logprobs:
-        raise invalid("'top_logprobs' is not supported yet", "top_logprobs")
     if req.audio is not None or (req.modalities and "audio" in req.modalities):
         raise invalid("audio output is not supported", "audio" if req.audio is not None else "modalities")
     if req.store:
@@ -191,14 +195,24 @@ def _refuse_what_we_cannot_do(req: ChatCompletionRequest) -> None:
                       "unsupported_parameter")
     if req.web_search_options is not None:
         raise invalid("web search is not supported", "web_search_options", "unsupported_parameter")
-    if req.thinking_budget not in (None, -1):
-        raise invalid("'thinking_budget' is not enforced by this server yet; send max_tokens, "
-                      "which caps thinking and answer together (-1 is accepted)",
-                      "thinking_budget", "unsupported_parameter")
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid("'add_generation_prompt' and 'continue_final_message' contradict each "
                       "other: continuing the final message opens no new turn",
                       "add_generation_prompt")
+
+
+def thinking_budget(req: ChatCompletionRequest) -> ThinkingBudget | None:
+    """The budget the request gives as a count (thinking_budget, llama.cpp's
+    thinking_budget_tokens, Qwen's chat_template_kwargs.thinking_budget), else
+    its reasoning_effort's (checked by thinking_choice)."""
+    kwargs = req.chat_template_kwargs or {}
+    for value, param in ((req.thinking_budget, "thinking_budget"),
+                         (req.thinking_budget_tokens, "thinking_budget_tokens"),
+                         (kwargs.get("thinking_budget"), "chat_template_kwargs.thinking_budget")):
+        budget = given_budget(value, param)
+        if budget is not None:
+            return budget
+    return effort_budget(req.reasoning_effort)
 
 
 def thinking_choice(req: ChatCompletionRequest) -> bool | None:
@@ -226,7 +240,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
     check_max_tokens(max_tokens, max_field)
     given_tools, given_choice = _legacy_tools(req)
     tools = check_tools(given_tools)
-    sampling = sampling_request(req, max_tokens)
+    sampling = sampling_request(req, max_tokens, logprobs=chat_logprobs(req))
     if req.return_progress:
         sampling = replace(sampling, report_progress=True)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
@@ -246,6 +260,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
         strict_tools=frozenset(t["function"]["name"] for t in tools if t["function"].get("strict") is True),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=thinking_choice(req),
+        thinking_budget=thinking_budget(req),
         template_kwargs=kwargs,
         prefill=prefill,
         response_format=chat_constraint(req),

@@ -1,12 +1,12 @@
 """What the Chat Completions and Completions handlers share: resolving the
 model, checking the prompt against the context, building the generation, and
-the usage object."""
+streaming one choice."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -22,17 +22,12 @@ from router.http.sse import (
     open_event_stream,
     send_data,
     send_done,
-    text_event_encoder,
 )
 from router.lifecycle import ModelSlot
 from router.observability.records import current_record
-from router.openai.params import (
-    build_sampling,
-    check_max_tokens,
-    stop_strings,
-)
 from router.openai.schemas import SamplingFields
 from router.output_budget import output_budget
+from router.sampling import SamplingRequest, build_params
 from router.supervisor import EngineProcess
 from router.text.model_text import ModelText
 
@@ -50,20 +45,20 @@ def start_generation(
     slot: ModelSlot,
     engine: EngineProcess,
     text: ModelText,
-    req: SamplingFields,
+    sampling: SamplingRequest,
     prompt_ids: list[int],
     request_id: str,
-    max_tokens: int | None,
-    max_tokens_field: str,
     grammar: GrammarSpec | None = None,
 ) -> Generation:
-    check_max_tokens(max_tokens, max_tokens_field)
+    """A generation of prompt_ids (not yet submitted: its stream() submits
+    it). max_tokens 0 only scores the prompt (sampling.prompt_logprobs)."""
     check_context(prompt_ids, slot.max_context, "prompt")
     manager = app[MANAGER]
-    params = build_sampling(
-        req,
-        max_tokens=output_budget(slot.max_context, len(prompt_ids), max_tokens,
-                                 manager.config.default_max_tokens),
+    max_tokens = 0 if sampling.max_tokens == 0 else output_budget(
+        slot.max_context, len(prompt_ids), sampling.max_tokens, manager.config.default_max_tokens)
+    params = build_params(
+        sampling,
+        max_tokens=max_tokens,
         defaults=manager.sampling_defaults(slot),
         eos_token_ids=text.eos_token_ids,
         grammar=grammar,
@@ -73,7 +68,7 @@ def start_generation(
         from router.text.grammar_vocab import grammar_vocab
 
         engine.client.send_vocab_once(lambda: grammar_vocab(text))
-    spec = GenerationInput(prompt_ids, params, stop_strings(req.stop), req.skip_special_tokens)
+    spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens)
     return Generation(engine.client, text, request_id, spec)
 
 
@@ -97,49 +92,38 @@ def wants_usage(req: SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def collect(generation: Generation) -> str:
-    """The whole answer of a non-streamed request; engine failures become API errors."""
-    try:
-        return await generation.collect()
-    except EngineFailure as exc:
-        raise engine_error(exc) from None
-
-
-def usage(generation: Generation) -> dict[str, Any]:
-    return {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": generation.completion_tokens,
-        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
-    }
-
-
 def now() -> int:
     return int(time.time())
 
 
-# (text piece or None, finish_reason or None) -> one streamed chunk body.
-ChunkMaker = Callable[[str | None, str | None], dict[str, Any]]
+class StreamedChoice(Protocol):
+    """One choice's streamed chunks, as data events (b"": nothing to send)."""
+
+    def opening(self) -> bytes: ...
+
+    def piece_data(self, piece: Piece) -> bytes: ...
+
+    def finish_data(self) -> bytes: ...
 
 
 async def stream_generation(
     request: web.Request,
     generation: Generation,
-    make_chunk: ChunkMaker,
+    choice: StreamedChoice,
     *,
-    opening: list[dict[str, Any]],
-    include_usage: bool,
+    usage_chunk: Callable[[], dict[str, Any]] | None,
 ) -> web.StreamResponse:
-    """Send a generation as server-sent events, OpenAI style: the opening
-    chunks, one chunk per text piece, a chunk with the finish reason, the usage
-    chunk when asked for, then [DONE]. An engine failure mid-stream becomes an
-    error event; a client that leaves aborts the engine request."""
+    """Send one generation as server-sent events, OpenAI style: the choice's
+    opening, a chunk per text piece, its finish chunk, the usage chunk when
+    asked for, then [DONE]. An engine failure mid-stream becomes an error
+    event; a client that leaves aborts the engine request."""
     response = await open_event_stream(request)
-    piece_event = text_event_encoder(lambda text: make_chunk(text, None))
 
     def send_now(item: Piece | PromptProgress) -> None:
-        if isinstance(item, Piece) and item.text:
-            response.write_now(piece_event(item.text))
+        if isinstance(item, Piece):
+            data = choice.piece_data(item)
+            if data:
+                response.write_now(data)
 
     # While the response takes writes at once, the engine reader's pass sends
     # the pieces (Generation.push_items); the loop below sends the others.
@@ -147,12 +131,15 @@ async def stream_generation(
     # Events held while the next item is already at hand (HeldEvents).
     held = HeldEvents(response)
     try:
-        for body in opening:
-            await send_data(response, body)
+        opening = choice.opening()
+        if opening:
+            await response.write(opening)
         try:
             async for item in generation.stream():
-                if isinstance(item, Piece) and item.text:
-                    held.add(piece_event(item.text))
+                if isinstance(item, Piece):
+                    data = choice.piece_data(item)
+                    if data:
+                        held.add(data)
                 if held and not generation.output_waiting:
                     await held.send()
         except EngineFailure as exc:
@@ -160,14 +147,9 @@ async def stream_generation(
             await send_data(response, openai_error_body(engine_error(exc)))
         else:
             await held.send()
-            final = make_chunk(None, generation.finish_reason)
-            final["timings"] = generation.timings()
-            await send_data(response, final)
-            if include_usage:
-                final = make_chunk(None, None)
-                final["choices"] = []
-                final["usage"] = usage(generation)
-                await send_data(response, final)
+            await response.write(choice.finish_data())
+            if usage_chunk is not None:
+                await send_data(response, usage_chunk())
         await send_done(response)
     except ConnectionResetError:
         pass  # the client left; close() below aborts the engine request

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import math
 
-from protocol import GrammarSpec, SamplingParams
+from protocol import MAX_TOP_LOGPROBS
 from router.http.errors import invalid
-from router.openai.schemas import SamplingFields
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.output_budget import NO_LIMIT
-from router.sampling import SamplingDefaults, SamplingRequest, build_params, check_range
+from router.sampling import SamplingRequest, check_range
 from router.text.stop_strings import check_stops
 
-__all__ = ["SamplingDefaults", "build_sampling", "check_common", "check_max_tokens",
-           "sampling_request", "stop_strings"]
+__all__ = ["chat_logprobs", "check_choices", "check_common", "check_max_tokens",
+           "completion_logprobs", "sampling_request", "stop_strings"]
+
+# OpenAI's bound on Completions' logprobs (Chat's top_logprobs goes to 20).
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -23,8 +26,8 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def check_common(req: SamplingFields) -> None:
-    if req.n is not None and req.n != 1:
-        raise invalid(f"'n' must be 1: this server returns one choice per request, got {req.n}", "n")
+    if req.n is not None and req.n < 1:
+        raise invalid(f"'n' must be at least 1, got {req.n}", "n")
     check_range(req.temperature, "temperature", 0.0, 2.0)
     check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     check_range(req.min_p, "min_p", 0.0, 1.0)
@@ -71,7 +74,38 @@ def check_max_tokens(value: int | None, name: str) -> None:
                       f"got {value}", name)
 
 
-def sampling_request(req: SamplingFields, max_tokens: int | None) -> SamplingRequest:
+def check_choices(choices: int, limit: int, param: str = "n") -> None:
+    """--max-choices bounds the choices one request generates (n times the
+    prompts, or best_of times the prompts)."""
+    if choices > limit:
+        raise invalid(f"this request asks for {choices} choices; this server generates at most "
+                      f"{limit} per request (--max-choices)", param)
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int:
+    """SamplingRequest.logprobs for Chat's logprobs / top_logprobs (-1: none)."""
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if not req.logprobs:
+        if top:
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return -1
+    return top or 0
+
+
+def completion_logprobs(req: CompletionRequest) -> int:
+    """SamplingRequest.logprobs for Completions' logprobs (-1: none)."""
+    if req.logprobs is None:
+        return -1
+    if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
+                      "logprobs")
+    return req.logprobs
+
+
+def sampling_request(req: SamplingFields, max_tokens: int | None, *,
+                     logprobs: int = -1) -> SamplingRequest:
     return SamplingRequest(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -87,19 +121,5 @@ def sampling_request(req: SamplingFields, max_tokens: int | None) -> SamplingReq
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=logit_bias(req.logit_bias),
+        logprobs=logprobs,
     )
-
-
-def build_sampling(
-    req: SamplingFields,
-    *,
-    max_tokens: int,
-    defaults: SamplingDefaults,
-    eos_token_ids: tuple[int, ...],
-    grammar: GrammarSpec | None = None,
-    n_vocab: int | None = None,
-) -> SamplingParams:
-    """SamplingParams for an OpenAI request (see router/sampling.py)."""
-    return build_params(sampling_request(req, max_tokens), max_tokens=max_tokens,
-                        defaults=defaults, eos_token_ids=eos_token_ids, grammar=grammar,
-                        n_vocab=n_vocab)

@@ -79,9 +79,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # assistant message instead (they exclude each other).
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
-    # Accepted at their neutral values only (router/openai/chat_request.py).
+    # Log probabilities of the answer's tokens, with top_logprobs (0..20)
+    # alternatives each (router/openai/logprobs.py).
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Accepted at their neutral values only (router/openai/chat_request.py).
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     store: bool | None = None
@@ -89,7 +91,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    # Reasoning tokens before the engine ends the block (-1: no limit, 0:
+    # thinking off); thinking_budget_tokens is llama.cpp's name for it.
     thinking_budget: int | None = None
+    thinking_budget_tokens: int | None = None
     # llama.cpp's extensions.
     enable_thinking: bool | None = None
     return_progress: bool = False
@@ -100,11 +105,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string, token ids, or a one-element list of either (checked by the
-    # handler: msgspec unions allow only one array type).
+    # A string, token ids, or a list of strings or of token id lists, one
+    # choice (or n) per prompt (checked by the handler: msgspec unions allow
+    # only one array type).
     prompt: str | list[Any]
     echo: bool = False
     suffix: str | None = None
-    # Refused unless absent or neutral (router/openai/completions.py).
+    # The chosen tokens' log probabilities and the 0..5 most likely tokens'.
     logprobs: int | None = None
+    # Candidates generated per prompt, of which the n most likely are returned.
     best_of: int | None = None

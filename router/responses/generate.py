@@ -13,6 +13,7 @@ from typing import Any
 from router.chat.turn import TurnRun
 from router.generation import PromptProgress
 from router.http.errors import ApiError
+from router.responses.logprobs import OutputLogprobs
 from router.responses.output import Event, OutputAssembler
 from router.responses.request_map import ResponsePlan
 from router.responses.response import response_body, usage
@@ -30,7 +31,9 @@ class ResponseRun:
         self.model = model
         self.sampling = sampling
         self.created_at = int(time.time())
-        self.output = OutputAssembler(plan.tools)
+        # include message.output_text.logprobs: the engine was asked for them.
+        logprobs = OutputLogprobs(run) if plan.chat.sampling.logprobs >= 0 else None
+        self.output = OutputAssembler(plan.tools, logprobs)
 
     async def events(self) -> AsyncIterator[Event]:
         """Output events as the turn produces them, the closing ones last.

@@ -15,6 +15,11 @@ the API documents:
                function_call_arguments.done, output_item.done
 
 Events are plain dicts without `sequence_number`, which the stream adds.
+
+An output_text part always has `logprobs` ([] unless the request included
+message.output_text.logprobs; then router/responses/logprobs.py says which
+tokens each text delta lists, and the part and output_text.done list all
+of its text's).
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ from router.chat.events import (
     ToolCallStart,
 )
 from router.responses import ids
+from router.responses.logprobs import Entry, OutputLogprobs, delta_shape
 from router.responses.tools import ToolSet
 
 Event = dict[str, Any]
 
 
 class OutputAssembler:
-    def __init__(self, tools: ToolSet):
+    def __init__(self, tools: ToolSet, logprobs: OutputLogprobs | None = None):
         self.tools = tools
+        self._logprobs = logprobs
+        # The open message's entries so far (with logprobs asked for).
+        self._entries: list[Entry] = []
         self.items: list[dict[str, Any]] = []
         # Output index of each item, by item id.
         self._index: dict[str, int] = {}
@@ -55,6 +64,8 @@ class OutputAssembler:
             return self._write("reasoning", event.text)
         if isinstance(event, ContentDelta):
             return self._content(event.text)
+        if self._logprobs is not None and isinstance(event, ToolCallStart | ToolCallDelta | ToolCallEnd):
+            self._logprobs.drop()
         if isinstance(event, ToolCallStart):
             return self._start_call(event)
         if isinstance(event, ToolCallDelta):
@@ -92,11 +103,16 @@ class OutputAssembler:
         if self._open is None or self._open["type"] != kind:
             events.extend(self._close("completed"))
             events.extend(self._open_item(kind))
-        if text:
+        if text and kind == "reasoning":
             self._text.append(text)
-            delta = ("response.reasoning_text.delta" if kind == "reasoning"
-                     else "response.output_text.delta")
-            events.append(self._part_event(delta, delta=text))
+            events.append(self._part_event("response.reasoning_text.delta", delta=text))
+        elif text:
+            opens = not self._text
+            self._text.append(text)
+            entries = self._logprobs.take(text, opens) if self._logprobs is not None else []
+            self._entries.extend(entries)
+            events.append(self._part_event("response.output_text.delta", delta=text,
+                                           logprobs=delta_shape(entries)))
         return events
 
     def _open_item(self, kind: str) -> list[Event]:
@@ -106,7 +122,7 @@ class OutputAssembler:
         else:
             item = {"id": ids.new_id(ids.MESSAGE), "type": "message", "role": "assistant",
                     "status": "in_progress", "content": []}
-        self._open, self._text = item, []
+        self._open, self._text, self._entries = item, [], []
         added = {"type": "response.output_item.added", "output_index": self._add(item),
                  "item": _copy(item)}
         return [added, self._part_event("response.content_part.added", part=self._part(""))]
@@ -115,14 +131,15 @@ class OutputAssembler:
         assert self._open is not None
         if self._open["type"] == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": []}
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": list(self._entries)}
 
     def _part_event(self, kind: str, **fields: Any) -> Event:
         assert self._open is not None
         event: Event = {"type": kind, "item_id": self._open["id"],
                         "output_index": self._index[self._open["id"]], "content_index": 0, **fields}
-        if kind in ("response.output_text.delta", "response.output_text.done"):
-            event["logprobs"] = []
+        if kind == "response.output_text.done":
+            event["logprobs"] = delta_shape(self._entries)
         return event
 
     def _close(self, status: str) -> list[Event]:
@@ -137,7 +154,7 @@ class OutputAssembler:
         self._open["status"] = status
         events.append({"type": "response.output_item.done",
                        "output_index": self._index[self._open["id"]], "item": _copy(self._open)})
-        self._open, self._text = None, []
+        self._open, self._text, self._entries = None, [], []
         return events
 
     # ---- function calls ---------------------------------------------------------

@@ -5,14 +5,17 @@ Mapping: `input` items (after the stored conversation of
 previous_response_id) and `instructions` -> template messages
 (history.py); tools and tool_choice -> function tools (tools.py);
 text.format -> the response_format grammar; max_output_tokens, temperature
-and top_p -> sampling; reasoning.effort "none" turns thinking off (other
-efforts leave the template's default: these models have no effort dial).
+and top_p -> sampling; reasoning.effort -> a thinking budget ("none" and
+"minimal" turn thinking off; router/chat/thinking_budget.py's table);
+include "message.output_text.logprobs" asks the engine for each token's raw
+log probability and top_logprobs (0..20) alternatives, as OpenAI does:
+top_logprobs without that include returns none (router/responses/logprobs.py
+says which tokens each output_text lists).
 
 Refused with a 400 naming the field: background, conversation,
-context_management, prompt (templates), moderation, hosted tools, logprobs
-(top_logprobs, include message.output_text.logprobs), truncation "auto",
-service tiers and verbosities other than the default. Their neutral values
-are accepted, and unknown fields are ignored.
+context_management, prompt (templates), moderation, hosted tools,
+truncation "auto", service tiers and verbosities other than the default.
+Their neutral values are accepted, and unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import GrammarSpec
+from protocol import MAX_TOP_LOGPROBS, GrammarSpec
 from router.chat.request import ChatRequest
+from router.chat.thinking_budget import effort_budget
 from router.http.errors import invalid
 from router.json_schema_limits import check_enforceable
 from router.responses.history import template_messages
@@ -34,6 +38,7 @@ from router.sampling import SamplingRequest, check_range
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 METADATA_MAX_KEYS = 16
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
     _refuse_what_we_cannot_do(req)
     check_range(req.temperature, "temperature", 0.0, 2.0)
     check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    check_range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise invalid(f"'max_output_tokens' must be at least 1, got {req.max_output_tokens}",
                       "max_output_tokens")
@@ -69,12 +75,13 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
     chat = ChatRequest(
         messages=messages,
         sampling=SamplingRequest(max_tokens=req.max_output_tokens, temperature=req.temperature,
-                                 top_p=req.top_p),
+                                 top_p=req.top_p, logprobs=_logprobs(req)),
         tools=tools.chat_tools,
         tool_choice=choice,
         strict_tools=tools.strict,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=_thinking(req),
+        thinking_budget=effort_budget(req.reasoning.effort if req.reasoning is not None else None),
         response_format=_text_format(req),
     )
     return ResponsePlan(chat, tools, input_items, history, _echo(req), req.store is not False,
@@ -94,10 +101,6 @@ def _refuse_what_we_cannot_do(req: ResponsesRequest) -> None:
         raise invalid("prompt templates are not supported; send instructions and input", "prompt")
     if req.moderation is not None:
         raise invalid("moderation is not supported", "moderation")
-    if req.top_logprobs:
-        raise invalid("logprobs are not supported yet ('top_logprobs' 0 is accepted)", "top_logprobs")
-    if "message.output_text.logprobs" in (req.include or []):
-        raise invalid("logprobs are not supported yet", "include")
     if req.truncation not in (None, "disabled"):
         raise invalid("only truncation 'disabled' is supported: a prompt too long for the context "
                       "is refused, never cut", "truncation")
@@ -107,6 +110,13 @@ def _refuse_what_we_cannot_do(req: ResponsesRequest) -> None:
     verbosity = req.text.verbosity if req.text is not None else None
     if verbosity not in (None, "medium"):
         raise invalid("verbosity cannot be set for these models ('medium' is accepted)", "text.verbosity")
+
+
+def _logprobs(req: ResponsesRequest) -> int:
+    """SamplingRequest.logprobs: -1 unless the output_text's are included."""
+    if LOGPROBS_INCLUDE not in (req.include or []):
+        return -1
+    return req.top_logprobs or 0
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> None:
@@ -180,7 +190,7 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
                  "verbosity": "medium"},
         "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none"),
         "tools": req.tools or [],
-        "top_logprobs": 0,
+        "top_logprobs": req.top_logprobs or 0,
         "truncation": "disabled",
         "user": req.user,
     }

@@ -64,12 +64,17 @@ class Tokenizer:
     """Encode and decode text for one model. Thread-safe: the backend is immutable once built."""
 
     def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None = None,
-                 add_bos_token: bool = False) -> None:
+                 add_bos_token: bool = False, appended_eos_id: int | None = None) -> None:
         if add_bos_token and bos_token_id is None:
             raise ValueError("the tokenizer asks for a BOS token but names none")
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
+        # The token the tokenizer's own configuration appends to every text
+        # (an embedding model's EOS, whose state last-token pooling reads:
+        # Qwen3-Embedding's tokenizer.json, llama.cpp's add_eos_token), or
+        # None. Only embedding inputs get it (router/embeddings.py).
+        self.appended_eos_id = appended_eos_id
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         # One past the largest id that has a token: added tokens may leave gaps.
@@ -165,7 +170,11 @@ class Tokenizer:
             # llama.cpp's defaults for files that predate the flag.
             pre = metadata.get("tokenizer.ggml.pre", "default")
             add_bos = model == "llama" or _PRE_FAMILIES.get(pre) == "llama3"
-        return cls(backend, bos_token_id=bos_id, add_bos_token=bool(add_bos) and bos_id is not None)
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        appended = (eos_id if metadata.get("tokenizer.ggml.add_eos_token") is True
+                    and isinstance(eos_id, int) else _appended_special(backend))
+        return cls(backend, bos_token_id=bos_id, add_bos_token=bool(add_bos) and bos_id is not None,
+                   appended_eos_id=appended)
 
     @classmethod
     def _from_hf_backend(cls, backend: tokenizers.Tokenizer,
@@ -182,7 +191,16 @@ class Tokenizer:
             add_bos = len(added) > 0
             if add_bos:
                 bos_id = added[0]
-        return cls(backend, bos_token_id=bos_id, add_bos_token=add_bos)
+        return cls(backend, bos_token_id=bos_id, add_bos_token=add_bos,
+                   appended_eos_id=_appended_special(backend))
+
+
+def _appended_special(backend: tokenizers.Tokenizer) -> int | None:
+    """The token a backend's post-processor puts after a text, if any: a text
+    encoded with and without special tokens ends alike unless one is appended."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    return full[-1] if full and full[-1:] != plain[-1:] else None
 
 
 def encode_long(backend: tokenizers.Tokenizer, text: str) -> list[int]:

@@ -174,9 +174,9 @@ def test_prompt_progress_before_the_answer(server: Server) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logit_bias": {"999999999": 5}}, "logit_bias"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

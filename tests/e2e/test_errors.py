@@ -25,7 +25,7 @@ def with_(**fields: object) -> dict:
         (with_(temperature="hot"), "temperature", "invalid_type"),
         (with_(top_p=0), "top_p", "invalid_value"),
         (with_(top_p=1.5), "top_p", "invalid_value"),
-        (with_(n=2), "n", "invalid_value"),
+        (with_(n=0), "n", "invalid_value"),
         (with_(max_tokens=-2), "max_tokens", "invalid_value"),
         (with_(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
         (with_(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", "invalid_value"),
@@ -57,7 +57,9 @@ def test_malformed_bodies(router: Server, raw: bytes) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": "smollm2", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "smollm2", "prompt": [["a"]]}, "prompt[0]"),
+        ({"model": "smollm2", "prompt": []}, "prompt"),
+        ({"model": "smollm2", "prompt": ["a", [1, 10**9]]}, "prompt[1]"),
         ({"model": "smollm2", "prompt": ""}, "prompt"),
         ({"model": "smollm2", "prompt": [1, 10**9]}, "prompt"),
         ({"model": "smollm2", "prompt": "x", "suffix": "y"}, "suffix"),
@@ -78,7 +80,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 def test_sdk_sees_a_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], n=3)
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], n=17)
     assert caught.value.param == "n"
 
 

@@ -61,6 +61,11 @@ ROUTES: dict[str, dict[str, Any]] = {
     "/models/sleep": {"model": "not-" + MODEL},
     "/models": {"model": MODEL},
     "/props": {"n_ctx": 2048},
+    # The fuzzed model serves no rerank (no --reranking): a 400 in the route's shape.
+    **{path: {"model": MODEL, "query": "hi", "documents": ["a", {"text": "b"}], "top_n": 1}
+       for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
+    "/v1/embeddings": {"model": MODEL, "input": ["hi", [1, 2]], "encoding_format": "float"},
+    **{path: {"model": MODEL, "content": "hi"} for path in ("/embedding", "/embeddings")},
 }
 
 # 5xx answers that are a route's normal answer, not a failure: llama.cpp

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from router.text.model_text import ModelText
 from tests.e2e.llamacpp_support import bos_model, stream_events
+from tests.engine.conftest import smollm2_reference  # noqa: F401 (a fixture)
 from tests.support.server import Server, running_server
 
 pytestmark = pytest.mark.slow
@@ -256,7 +258,7 @@ def test_sampler_controls_at_neutral_values(server: Server) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("mirostat", 2), ("dry_multiplier", 0.8), ("typical_p", 0.5), ("xtc_probability", 0.5),
-    ("top_n_sigma", 1.0), ("n_probs", 3), ("n_indent", 4),
+    ("top_n_sigma", 1.0), ("n_indent", 4),
     ("t_max_predict_ms", 100), ("lora", [{"id": 0, "scale": 0.5}]), ("dynatemp_range", 0.5),
     ("samplers", ["temperature", "top_k"]),
 ])
@@ -285,3 +287,91 @@ def test_props_of_a_loaded_model(server: Server) -> None:
     props = server.get("/props", params={"model": "smollm2"}).json()
     assert props["default_generation_settings"]["n_ctx"] == loaded["meta"]["n_ctx"]
     assert props["bos_token"] == "<|im_start|>" and props["eos_token"] == "<|im_end|>"
+
+
+# ---- n_probs and post_sampling_probs ----------------------------------------------------
+
+ENTRY = {"id", "token", "bytes", "logprob", "top_logprobs"}
+ALTERNATIVE = {"id", "token", "bytes", "logprob"}
+
+
+@torch.inference_mode()
+def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' log_softmax at each generated position: [len(tokens), V]."""
+    logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
+
+
+def test_n_probs_are_the_raw_log_probabilities(server: Server, smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+    body = complete(server, prompt=PROMPT, n_predict=6, n_probs=3, return_tokens=True)
+    entries = body["completion_probabilities"]
+    assert [e["id"] for e in entries] == body["tokens"] and len(entries) == 6
+    assert "".join(e["token"] for e in entries) == body["content"]
+    expected = reference_logprobs(smollm2_reference, PROMPT_IDS, body["tokens"])
+    for position, entry in enumerate(entries):
+        assert set(entry) == ENTRY and bytes(entry["bytes"]) == entry["token"].encode()
+        row = expected[position]
+        assert entry["logprob"] == pytest.approx(float(row[entry["id"]]), abs=1e-3)
+        assert len(entry["top_logprobs"]) == 3
+        assert all(set(alt) == ALTERNATIVE for alt in entry["top_logprobs"])
+        assert [alt["logprob"] for alt in entry["top_logprobs"]] == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-3)
+        assert entry["top_logprobs"][0]["id"] == entry["id"]  # greedy: the most likely
+    assert body["generation_settings"]["n_probs"] == 3
+    # Streamed: each token's chunk carries its own entry; the last chunk none.
+    events = stream_events(server, "/completion", {"model": "smollm2", "prompt": PROMPT, "n_predict": 6,
+                                                   "temperature": 0, "stream": True, "n_probs": 3})
+    *tokens, final = events
+    assert [len(e["completion_probabilities"]) for e in tokens] == [1] * 6
+    streamed = [e["completion_probabilities"][0] for e in tokens]
+    assert [e["id"] for e in streamed] == body["tokens"]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in entries], abs=1e-5)
+    assert "completion_probabilities" not in final
+    # Without n_probs there are none.
+    assert "completion_probabilities" not in complete(server, prompt=PROMPT, n_predict=2)
+
+
+def test_post_sampling_probs_are_the_sampling_distribution(server: Server,
+                                                           smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+    # Greedy: the chosen token had probability 1 and was the only candidate.
+    greedy = complete(server, prompt=PROMPT, n_predict=4, n_probs=5, post_sampling_probs=True)
+    for entry in greedy["completion_probabilities"]:
+        assert set(entry) == {"id", "token", "bytes", "prob", "top_probs"}
+        assert entry["prob"] == 1.0
+        assert entry["top_probs"] == [{"id": entry["id"], "token": entry["token"],
+                                       "bytes": entry["bytes"], "prob": 1.0}]
+    # Sampled: temperature 0.7 over the 4 most likely tokens; all 4 listed.
+    settings = {"temperature": 0.7, "top_k": 4, "top_p": 1.0, "min_p": 0.0, "seed": 3}
+    body = complete(server, prompt=PROMPT, n_predict=6, n_probs=10, post_sampling_probs=True,
+                    return_tokens=True, **settings)
+    expected = reference_logprobs(smollm2_reference, PROMPT_IDS, body["tokens"])
+    for position, entry in enumerate(body["completion_probabilities"]):
+        top = expected[position].topk(4)
+        probs = torch.softmax(top.values / 0.7, dim=-1)
+        assert [alt["id"] for alt in entry["top_probs"]] == top.indices.tolist()
+        assert [alt["prob"] for alt in entry["top_probs"]] == pytest.approx(probs.tolist(), abs=1e-3)
+        assert entry["prob"] == pytest.approx(float(probs[top.indices.tolist().index(entry["id"])]),
+                                              abs=1e-3)
+    events = stream_events(server, "/completion", {"model": "smollm2", "prompt": PROMPT, "n_predict": 6,
+                                                   "stream": True, "n_probs": 10,
+                                                   "post_sampling_probs": True, **settings})
+    streamed = [e["completion_probabilities"][0] for e in events[:-1]]
+    assert [e["id"] for e in streamed] == body["tokens"]
+    assert [e["top_probs"] for e in streamed] == [e["top_probs"] for e in body["completion_probabilities"]]
+
+
+def test_the_end_of_sequence_token_has_an_entry_and_a_stop_word_none(server: Server) -> None:
+    prompt = chat_prompt(server)
+    answer = complete(server, prompt=prompt, n_predict=64, n_probs=1, return_tokens=True)
+    entries = answer["completion_probabilities"]
+    assert answer["stop_type"] == "eos" and len(entries) == answer["tokens_predicted"]
+    assert entries[-1]["token"] == "" and entries[-1]["bytes"] == []  # <|im_end|>, a control token
+    assert [e["id"] for e in entries] == answer["tokens"]
+    stopped = complete(server, prompt=prompt, n_predict=64, n_probs=1, stop=["Paris"])
+    paris = len(server.post("/tokenize", json={"model": "smollm2", "content": "Paris"}).json()["tokens"])
+    assert stopped["stop_type"] == "word"
+    assert len(stopped["completion_probabilities"]) == stopped["tokens_predicted"] - paris
+    events = stream_events(server, "/completion", {"model": "smollm2", "prompt": prompt, "n_predict": 64,
+                                                   "temperature": 0, "stream": True, "n_probs": 1})
+    streamed = [entry for e in events for entry in e.get("completion_probabilities", [])]
+    assert [e["id"] for e in streamed] == answer["tokens"]

@@ -69,6 +69,9 @@ def test_the_server_seed_makes_sampled_answers_reproduce(server: Server) -> None
               if line.startswith("data: {")]
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"])
     assert text == first
+    # n choices sample with the server's seed + i: the first is the answer above.
+    several = [c["message"]["content"] for c in chat(server, n=3, **fields).json()["choices"]]
+    assert several[0] == first and len(set(several)) > 1
 
 
 def test_grammar_fields_constrain_the_answer(server: Server) -> None:
@@ -96,7 +99,7 @@ def test_completions_logit_bias_takes_effect_and_bad_ids_are_refused(server: Ser
     assert body["choices"][0]["text"] == expected
     bad = server.post("/v1/completions", json={"prompt": "Hello", "logit_bias": {"10000000": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
-    for field, value in (("logprobs", 1), ("best_of", 2), ("priority", 3)):
+    for field, value in (("logprobs", 6), ("best_of", 0), ("priority", 3)):
         refused = server.post("/v1/completions", json={"prompt": "Hello", field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, field
 

@@ -13,7 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+import torch
 
+from router.text.model_text import ModelText
+from tests.engine.conftest import smollm2_reference  # noqa: F401 (a fixture)
 from tests.support.scripted_models import ENGINE_ENV, QWEN3_SCRIPT, WEATHER_CALL, scripted_model
 from tests.support.server import Server, running_server, wait_until
 
@@ -388,7 +391,7 @@ def test_the_store_keeps_within_its_bytes(byte_store: Server) -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"truncation": "auto"}, "truncation"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
@@ -461,3 +464,68 @@ def test_json_schema_output_on_the_real_engine(real_engine: Server) -> None:
     answer = json.loads(reply.output_text)
     assert set(answer) == {"ok", "count"} and isinstance(answer["ok"], bool) and 0 <= answer["count"] <= 9
     assert reply.text.format.type == "json_schema"
+
+
+# ---- output_text logprobs, on the real engine with SmolLM2 (real weights) ----------------
+
+QUESTION = "What is the capital of France?"
+INCLUDE = ["message.output_text.logprobs"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    log = tmp_path_factory.mktemp("responses-smollm2") / "router.log"
+    with running_server([str(smollm2_gguf), "--threads", "1"], log) as running:
+        yield openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_output_text_logprobs_equal_transformers(smollm2_client: openai.OpenAI, smollm2_gguf: Path,
+                                                 smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+    reply = smollm2_client.responses.create(model="smollm2", input=QUESTION, include=INCLUDE,
+                                            top_logprobs=3, temperature=0, max_output_tokens=24)
+    assert "Paris" in reply.output_text and reply.top_logprobs == 3
+    (part,) = reply.output[0].content
+    entries = part.logprobs
+    assert "".join(e.token for e in entries) == part.text
+    # The same prompt through transformers: greedy, so the same tokens.
+    text = ModelText.load(smollm2_gguf)
+    prompt = text.encode_prompt(text.render_chat([{"role": "user", "content": QUESTION}]))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        for _ in entries:
+            ids = torch.cat([ids, smollm2_reference(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        expected = torch.log_softmax(smollm2_reference(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+    tokens = ids[0, len(prompt):].tolist()
+    for position, entry in enumerate(entries):
+        row = expected[position]
+        assert entry.token == text.tokenizer.decode([tokens[position]])
+        assert bytes(entry.bytes) == entry.token.encode()
+        assert entry.logprob == pytest.approx(float(row[tokens[position]]), abs=1e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-3)
+        assert entry.top_logprobs[0].token == entry.token
+    # Kept as returned: the stored response lists the same.
+    assert smollm2_client.responses.retrieve(reply.id).output[0].content[0].logprobs == entries
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs(smollm2_client: openai.OpenAI) -> None:
+    whole = smollm2_client.responses.create(model="smollm2", input=QUESTION, include=INCLUDE,
+                                            top_logprobs=2, temperature=0, max_output_tokens=24)
+    events = list(smollm2_client.responses.create(model="smollm2", input=QUESTION, include=INCLUDE,
+                                                  top_logprobs=2, temperature=0, max_output_tokens=24,
+                                                  stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    expected = whole.output[0].content[0].logprobs
+    streamed = [entry for delta in deltas for entry in delta.logprobs]
+    assert all(delta.logprobs for delta in deltas)  # one token per step, each shown at once
+    for got in (streamed, done.logprobs):
+        assert [(e.token, e.logprob) for e in got] == [(e.token, e.logprob) for e in expected]
+        assert [[t.token for t in e.top_logprobs] for e in got] == \
+            [[t.token for t in e.top_logprobs] for e in expected]
+    assert events[-1].response.output[0].content[0].logprobs == expected
+
+
+def test_top_logprobs_without_the_include_returns_none(smollm2_client: openai.OpenAI) -> None:
+    reply = smollm2_client.responses.create(model="smollm2", input=QUESTION, top_logprobs=5,
+                                            temperature=0, max_output_tokens=8)
+    assert reply.output[0].content[0].logprobs == []

@@ -44,6 +44,7 @@ class FakeForward:
     logits: object  # "rows" stand-in: the model's token per sampling row, once run
     launch: int
     scores: list[object] = field(default_factory=list)  # no prompt scoring here
+    pooled: object = None  # nor embeddings
 
 
 @dataclass
@@ -75,6 +76,7 @@ class FakeDevice:
         self.overlap: list[tuple[int, int]] = []  # (launch taken, launches made by then)
         self.slot_writer: dict[int, int] = {}  # future slot -> launch that wrote it
         self.masks_seen: list[tuple[int, list[int]]] = []  # (launch, masked rows)
+        self.forced_seen: list[tuple[int, int]] = []  # (launch, forced token)
         self.half_owner: dict[int, int] = {}  # first slot of a half -> launch writing it
         # ("sample", launch, rows) and ("take", launch, ()) in the order they happened.
         self.events: list[tuple[str, int, tuple[int, ...]]] = []
@@ -131,6 +133,9 @@ class FakeDevice:
                 allowed = [t for t in range(VOCAB) if bits[index, t // 32] >> (t % 32) & 1]
                 if chosen[index] not in allowed:
                     chosen[index] = allowed[0]
+            self.forced_seen.extend((forward.launch, token) for _, token in mask.forced)
+            for index, token in mask.forced:  # the sampler's last word
+                chosen[index] = token
         for row, token in zip(rows, chosen, strict=True):
             self.future.buffer[first_slot + row] = token
             self.slot_writer[first_slot + row] = forward.launch
@@ -139,6 +144,9 @@ class FakeDevice:
 
     def device_bytes(self) -> int:
         return 0
+
+    def forget(self, request_id: str) -> None:
+        """The real runner drops a request's pooling state; the toy keeps none."""
 
     # ---- checks -------------------------------------------------------------
 

@@ -259,3 +259,151 @@ def test_grammar_masks_are_built_after_the_token_before_is_accepted() -> None:
         taken = order.index(("take", launch - 1, ()))
         second = order.index(("sample", launch, (0,)))
         assert first < taken < second, order
+
+
+# ---- forced tokens (engine/sampling/forced_tokens.py) ------------------------
+
+def expected_with_budget(prompt: list[int], max_tokens: int, budget: p.ReasoningBudget
+                         ) -> list[int]:
+    """The toy model's tokens alone, with the reasoning budget's rules applied
+    one token at a time: the model's close within the budget, else end_ids at
+    index `budget`; after_ids once the block is closed."""
+    context, out = list(prompt), []
+    start, run = -1, ()
+    close = budget.close_ids
+    while len(out) < max_tokens:
+        index = len(out)
+        if start < 0 and 0 <= budget.budget <= index:
+            start, run = budget.budget, (*budget.end_ids, *budget.after_ids)
+        forced = start >= 0 and start <= index < start + len(run)
+        token = run[index - start] if forced else next_token(context)
+        out.append(token)
+        context.append(token)
+        if start < 0 and out[-len(close):] == close:
+            start, run = index + 1, tuple(budget.after_ids)
+    return out
+
+
+def unused_token(prompt: list[int], count: int) -> int:
+    """A token the toy model does not write in its first `count` tokens for prompt."""
+    seen = set(expected(prompt, count)[0])
+    return next(t for t in range(VOCAB) if t not in seen)
+
+
+def budgeted(request_id: str, prompt: list[int], max_tokens: int,
+             budget: p.ReasoningBudget) -> p.Generate:
+    params = p.SamplingParams(max_tokens=max_tokens, temperature=0.0, reasoning=budget)
+    return p.Generate(request_id, prompt, params)
+
+
+def sampled_early(device: FakeDevice, launch: int) -> bool:
+    """Whether some row of `launch` was sampled before the launch before had its tokens taken."""
+    order = device.events
+    taken = order.index(("take", launch - 1, ()))
+    return any(kind == "sample" and at == launch and i < taken
+               for i, (kind, at, _) in enumerate(order))
+
+
+def test_a_spent_budget_forces_the_end_ids_and_nothing_else_changes() -> None:
+    prompt = [5, 9, 2, 6]
+    close = unused_token(prompt, 40)
+    budget = p.ReasoningBudget(budget=6, close_ids=[close], end_ids=[11, close, 12])
+    core, device, events = make_core()
+    core.handle(budgeted("b", prompt, 20, budget))
+    core.handle(generate("free", [1, 2, 3], 20))
+    run(core)
+    got = results(events)
+    solo, _ = expected(prompt, 20)
+    want = expected_with_budget(prompt, 20, budget)
+    assert want[:6] == solo[:6] and want[6:9] == [11, close, 12]
+    assert got["b"] == (want, "length")
+    assert got["free"] == expected([1, 2, 3], 20)  # its tokens untouched
+    assert [token for _, token in device.forced_seen] == [11, close, 12]
+
+
+def test_a_block_the_model_closes_in_time_forces_nothing() -> None:
+    prompt = [3, 3, 8]
+    solo, _ = expected(prompt, 16)
+    # The model's own token at index 5 is taken as its closing delimiter: the
+    # block closes within a budget of 6, decided by that token only once it
+    # reached the host (the step sampling index 6 was put off for it).
+    close = solo[5]
+    assert close not in solo[:5]
+    budget = p.ReasoningBudget(budget=6, close_ids=[close], end_ids=[11, close, 12])
+    core, device, events = make_core()
+    core.handle(budgeted("b", prompt, 16, budget))
+    run(core)
+    assert results(events)["b"] == (solo, "length")
+    assert device.forced_seen == []
+
+
+def test_after_ids_follow_the_models_own_close() -> None:
+    prompt = [4, 1, 7, 7]
+    solo, _ = expected(prompt, 30)
+    close = solo[2]
+    assert close not in solo[:2]
+    budget = p.ReasoningBudget(budget=-1, close_ids=[close], after_ids=[20, 21])
+    core, _, events = make_core()
+    core.handle(budgeted("t", prompt, 12, budget))
+    run(core)
+    want = expected_with_budget(prompt, 12, budget)
+    assert want[:5] == [*solo[:3], 20, 21]
+    assert results(events)["t"] == (want, "length")
+
+
+def test_a_budgeted_row_is_sampled_ahead_until_its_budget_is_near() -> None:
+    prompt = [2, 4, 6, 8]
+    close = unused_token(prompt, 40)
+    budget = p.ReasoningBudget(budget=8, close_ids=[close], end_ids=[close])
+    core, device, events = make_core()
+    core.handle(budgeted("b", prompt, 14, budget))
+    run(core)
+    assert results(events)["b"] == (expected_with_budget(prompt, 14, budget), "length")
+    # Launch L samples output index L - 1. Before the budget the row is
+    # sampled before the step before completes; from the budget on (where a
+    # token may be forced) after it; once the end is forced, ahead again.
+    early = {launch: sampled_early(device, launch) for launch in range(2, device.launches + 1)}
+    assert all(early[launch] for launch in range(2, 9)), early
+    assert not early[9], early  # index 8: forced
+    assert all(early[launch] for launch in range(11, device.launches + 1)), early
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budgets_in_a_busy_pipeline_with_preemption(seed: int) -> None:
+    rng = random.Random(300 + seed)
+    core, _, events = make_core(num_pages=14, lanes=4, max_context=48, window=0)
+    requests: dict[str, p.Generate] = {}
+    for i in range(8):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 10))]
+        max_tokens = rng.randrange(6, 24)
+        if i % 2:
+            requests[f"r{i}"] = generate(f"r{i}", prompt, max_tokens)
+            continue
+        solo, _ = expected(prompt, max_tokens, max_context=48)
+        # Half close the block themselves (with an after run), half run out.
+        close = solo[rng.randrange(len(solo))] if i % 4 == 0 else unused_token(prompt, 48)
+        budget = p.ReasoningBudget(budget=rng.randrange(0, 8), close_ids=[close],
+                                   end_ids=[60, close, 61], after_ids=[62] if i % 4 == 0 else [])
+        requests[f"r{i}"] = budgeted(f"r{i}", prompt, max_tokens, budget)
+    for request in requests.values():
+        core.handle(request)
+    run(core)
+    assert core.scheduler.num_preemptions > 0
+    got = results(events)
+    for request_id, request in requests.items():
+        params = request.params
+        if params.reasoning is None:
+            want = expected(request.prompt_token_ids, params.max_tokens, max_context=48)[0]
+        else:
+            want = expected_with_budget(request.prompt_token_ids, params.max_tokens, params.reasoning)
+        assert got[request_id][0] == want[:len(got[request_id][0])], request_id
+        assert len(got[request_id][0]) == min(params.max_tokens, 48 - len(request.prompt_token_ids))
+
+
+def test_a_budget_with_ids_outside_the_vocabulary_is_refused() -> None:
+    core, _, events = make_core()
+    core.handle(budgeted("x", [1, 2], 5, p.ReasoningBudget(budget=2, close_ids=[3],
+                                                           end_ids=[VOCAB + 1])))
+    (error,) = events
+    assert isinstance(error, p.RequestError) and "end_ids" in error.message
+    assert not core.has_work

@@ -28,6 +28,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 16, "tie_word_embeddings": True},
     "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "tie_word_embeddings": False},
+    # For the benchmarks' CPU smoke runs: the same code paths, seconds of work.
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
+             "tie_word_embeddings": True},
 }
 # The tokens of Qwen3's tokenizer (its embedding has spare rows past these).
 QWEN3_TEXT_VOCAB = 151669
@@ -38,9 +42,10 @@ def hf_config(shape: str) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel:
+def random_model(shape: str, device: torch.device, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
     config = ModelConfig.from_hf_config(hf_config(shape))
-    model = build_model(config, device, torch.bfloat16)
+    model = build_model(config, device, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
@@ -48,7 +53,7 @@ def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel
         else:
             param.normal_(0.0, 0.02, generator=generator)
     n_params = sum(param.numel() for param in model.parameters())
-    return LoadedModel(config, model, n_params, n_params * 2)
+    return LoadedModel(config, model, n_params, n_params * dtype.itemsize)
 
 
 def weight_bytes(loaded: LoadedModel) -> int:
@@ -65,11 +70,12 @@ def decode_step_bytes(loaded: LoadedModel) -> int:
     return total if config.tie_word_embeddings else total - embed
 
 
-def make_engine(loaded: LoadedModel, **options: Any) -> tuple[EngineCore, list[p.EngineEvent]]:
+def make_engine(loaded: LoadedModel, device: str = "cuda", dtype: str = "bfloat16",
+                **options: Any) -> tuple[EngineCore, list[p.EngineEvent]]:
     events: list[p.EngineEvent] = []
     marker = Path(tempfile.mkdtemp(prefix="roundhouse-bench-")) / "config.json"
     marker.write_text(json.dumps(hf_config("qwen3-0.6b")))
-    launch = p.EngineOptions(device="cuda", dtype="bfloat16", **options)
+    launch = p.EngineOptions(device=device, dtype=dtype, **options)
     core, _ = assemble_engine(loaded, marker, launch, lambda fraction, message: None,
                               events.append)
     return core, events

@@ -18,6 +18,8 @@ def test_commands_roundtrip_through_the_tagged_union() -> None:
     params = p.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=42, stop_token_ids=[2])
     for message in [
         p.Generate("r1", [1, 2, 3], params),
+        p.Generate("r2", [4], p.SamplingParams(max_tokens=9, reasoning=p.ReasoningBudget(
+            budget=5, close_ids=[8], end_ids=[6, 8, 7], after_ids=[3]))),
         p.Abort(["r1", "r2"]),
         p.Shutdown(),
     ]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 from aiohttp.test_utils import TestServer
 
@@ -21,6 +23,7 @@ from router.http.sse import (
     HeldEvents,
     data_event,
     open_event_stream,
+    plain_chunk_writer,
     send_data,
     text_event_encoder,
 )
@@ -97,6 +100,21 @@ def test_direct_chunks_are_the_bytes_aiohttp_sends(monkeypatch: pytest.MonkeyPat
     _, reference = serve(with_aiohttp, "GET / HTTP/1.1")
     assert body == reference
     assert body.endswith(b"0\r\n\r\n")
+
+
+def test_an_aiohttp_without_body_write_callbacks_still_writes_directly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp before on_body_write (the H200 machine's) once made every
+    streamed answer a 500: the writer has no such attribute there."""
+    writer = StreamWriter(SimpleNamespace(transport=None), asyncio.new_event_loop())  # type: ignore[arg-type]
+    writer.enable_chunking()
+    response = web.StreamResponse()
+    assert plain_chunk_writer(writer, response) is writer
+    del writer.on_body_write
+    monkeypatch.delattr(AbstractStreamWriter, "on_body_write")
+    assert plain_chunk_writer(writer, response) is writer
+    writer.on_body_write = lambda chunk: None  # type: ignore[assignment]
+    assert plain_chunk_writer(writer, response) is None
 
 
 def test_an_http_1_0_client_gets_aiohttps_plain_body(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,9 +25,9 @@ from router.settings import ModelSettings, SamplingOverrides
 
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
-    "prefix-cache-tokens device-memory-mib kv-headroom-mib cuda-graph output-window threads seed temp top-k top-p min-p model-suspend suspend-weights "
-    "chat-template chat-template-file chat-template-kwargs "
-    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags"
+    "prefix-cache-tokens device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling seed temp top-k top-p min-p model-suspend suspend-weights "
+    "chat-template chat-template-file chat-template-kwargs reasoning-budget "
+    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank"
 ).split()
 
 
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
     expected = {f"--{name}" for name in CLI_NAMES} | {
-        "--no-model-suspend", "--no-cuda-graph", "-h", "--help"}
+        "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "-h", "--help"}
     assert flags == expected
 
 
@@ -246,3 +246,14 @@ def test_chat_template_options_on_the_command_line(tmp_path: Path) -> None:
     template.write_text("{% if %}")
     with pytest.raises(argparse.ArgumentError, match="does not compile"):
         parser().parse_args(["--chat-template", str(template)])
+
+
+def test_pooling_is_an_engine_option_of_llama_cpps_values() -> None:
+    option = BY_NAME["pooling"]
+    assert resolve_settings([{"pooling": option.parse(" mean ")}]).engine.pooling == "mean"
+    assert resolve_settings([]).engine.pooling is None  # the model's own, else last
+    # llama.cpp's none (a vector per token) and rank (a reranker's head) are not served.
+    for value in ("none", "rank", "max"):
+        with pytest.raises(OptionValueError, match="mean, cls, last"):
+            option.parse(value)
+

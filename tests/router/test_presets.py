@@ -190,6 +190,9 @@ def test_llama_cpp_options_roundhouse_does_not_use_are_accepted_with_one_warning
         preset = load_preset(path)
     assert preset.section("coder").values() == {"temp": 0.5}
     assert preset.global_options == {}
+    # pooling is llama.cpp's key and ours (an embeddings option), read like any other.
+    assert parse("[m]\nmodel = m.gguf\npooling = cls\n").section("m").values() == {
+        "pooling": "cls"}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         f"preset {path}: ignoring llama.cpp options Roundhouse does not use: n-gpu-layers (line 2), "

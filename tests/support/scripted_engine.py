@@ -167,6 +167,11 @@ class ScriptedEngine:
             self.emit(RequestError(request.request_id, ErrorCode.INVALID_REQUEST,
                                    "the scripted engine does not constrain output"))
             return
+        if request.params.pooling is not None or request.params.max_tokens < 1:
+            # It runs no model: no hidden states to pool, no prompt to score.
+            self.emit(RequestError(request.request_id, ErrorCode.INVALID_REQUEST,
+                                   "the scripted engine neither embeds nor scores prompts"))
+            return
         if len(request.prompt_token_ids) >= self.context:
             self.emit(RequestError(request.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                    f"the prompt has {len(request.prompt_token_ids)} tokens; "

@@ -12,6 +12,7 @@ from router.anthropic.conversation import TOOL_ERROR_PREFIX
 from router.anthropic.request import chat_request, messages_request
 from router.anthropic.schemas import CountTokensRequest, MessagesRequest
 from router.chat.request import NamedTool
+from router.chat.thinking_budget import ThinkingBudget
 from router.errors import RouterError
 from router.http.errors import ApiError, api_error, decode_body
 
@@ -124,6 +125,9 @@ def test_tool_choice(choice: dict | None, expected: object, parallel: bool) -> N
 def test_thinking(thinking: dict, enabled: bool | None, show: bool) -> None:
     chat, choice = messages_request(make(thinking=thinking))
     assert chat.enable_thinking is enabled and choice.show is show
+    # budget_tokens is held by the engine (router/chat/thinking_budget.py).
+    budget = thinking.get("budget_tokens")
+    assert chat.thinking_budget == (ThinkingBudget(budget) if budget else None)
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from router.chat.request import ChatRequest, NamedTool
 from router.chat.turn import PreparedTurn, _grammar, prepare_turn
+from router.settings import ModelSettings
 from router.text.model_text import ModelText
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -32,8 +34,10 @@ def manager(qwen3_tokenizer_dir: Path) -> TextOnly:
     return TextOnly(ModelText.load(qwen3_tokenizer_dir))
 
 
-def prepare(manager: TextOnly, request: ChatRequest) -> PreparedTurn:
-    return asyncio.run(prepare_turn(manager, None, request))  # type: ignore[arg-type]
+def prepare(manager: TextOnly, request: ChatRequest, **settings: object) -> PreparedTurn:
+    """The turn for a model served with these settings (--reasoning-budget, ...)."""
+    slot = SimpleNamespace(entry=SimpleNamespace(settings=ModelSettings(**settings)))  # type: ignore[arg-type]
+    return asyncio.run(prepare_turn(manager, slot, request))  # type: ignore[arg-type]
 
 
 def test_thinking_follows_the_template(manager: TextOnly) -> None:
@@ -55,7 +59,12 @@ def test_forced_calls_get_a_grammar_that_lets_the_model_think_first(manager: Tex
     grammar = _grammar(named)
     assert grammar is not None and grammar.kind == "structural_tag"
     tag = json.loads(grammar.source)["format"]
-    assert tag["type"] == "sequence" and tag["elements"][0]["begin"] == "<think>"
+    # The block opens in the prompt; the engine forces the call's opener
+    # once the block closes (the prompt cannot carry it after the thinking).
+    assert named.thinking == "inside" and named.prompt.endswith("<|im_start|>assistant\n<think>\n")
+    assert named.after_block == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert named.opener == ""
+    assert tag["type"] == "sequence" and tag["elements"][0]["begin"] == ""
     assert tag["elements"][1]["begin"].startswith('<tool_call>\n{"name": "get_weather"')
     quiet = prepare(manager, ChatRequest(HI, tools=[TOOL], tool_choice="required", enable_thinking=False,
                                          parallel_tool_calls=False))

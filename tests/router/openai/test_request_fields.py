@@ -10,6 +10,7 @@ import pytest
 
 from protocol import GrammarSpec
 from router.chat.request import NamedTool
+from router.chat.thinking_budget import ThinkingBudget
 from router.errors import InvalidRequest
 from router.openai.chat_request import chat_request
 from router.openai.guided import completion_constraint
@@ -36,7 +37,9 @@ def refused(call: Any, **fields: Any) -> InvalidRequest:
         ({"store": True}, "store"),
         ({"verbosity": "low"}, "verbosity"),
         ({"priority": 5}, "priority"),
-        ({"thinking_budget": 512}, "thinking_budget"),
+        ({"thinking_budget": -2}, "thinking_budget"),
+        ({"thinking_budget_tokens": -3}, "thinking_budget_tokens"),
+        ({"chat_template_kwargs": {"thinking_budget": 1.5}}, "chat_template_kwargs.thinking_budget"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
@@ -57,6 +60,18 @@ def test_fields_we_cannot_honour_are_refused_by_name(fields: dict[str, Any], par
 def test_neutral_values_are_accepted() -> None:
     chat(store=False, verbosity="medium", priority=0, thinking_budget=-1, service_tier="auto",
          logit_bias={"5": 0})
+
+
+def test_thinking_budgets_and_effort_levels() -> None:
+    assert chat().thinking_budget is None
+    assert chat(thinking_budget=512).thinking_budget == ThinkingBudget(512)
+    assert chat(thinking_budget_tokens=300).thinking_budget == ThinkingBudget(300)
+    assert chat(chat_template_kwargs={"thinking_budget": 64}).thinking_budget == ThinkingBudget(64)
+    # A count wins over an effort level, which is a default (capped to leave the answer room).
+    assert chat(thinking_budget=100, reasoning_effort="high").thinking_budget == ThinkingBudget(100)
+    assert chat(reasoning_effort="low").thinking_budget == ThinkingBudget(1024, default=True)
+    low = chat(reasoning_effort="none")
+    assert low.enable_thinking is False and low.thinking_budget == ThinkingBudget(0, default=True)
 
 
 def test_two_assistant_messages_at_the_end_are_refused_as_llama_cpp_does() -> None:

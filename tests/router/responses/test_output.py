@@ -34,7 +34,8 @@ def test_reasoning_then_text() -> None:
     reasoning, message = items
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
     assert reasoning["summary"] == [] and reasoning["status"] == "completed"
-    assert message["content"] == [{"type": "output_text", "text": "\n\nHello!", "annotations": []}]
+    assert message["content"] == [{"type": "output_text", "text": "\n\nHello!", "annotations": [],
+                                   "logprobs": []}]
     assert message["role"] == "assistant" and message["status"] == "completed"
     added = events[0]
     assert added["output_index"] == 0 and added["item"]["status"] == "in_progress"
@@ -76,4 +77,4 @@ def test_the_item_cut_short_is_incomplete() -> None:
 def test_a_finished_turn_always_has_a_message() -> None:
     items, _ = run([ReasoningDelta("Nothing to say.")])
     assert [i["type"] for i in items] == ["reasoning", "message"]
-    assert items[1]["content"] == [{"type": "output_text", "text": "", "annotations": []}]
+    assert items[1]["content"] == [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]

@@ -9,6 +9,7 @@ import pytest
 
 from protocol import GrammarSpec
 from router.chat.request import NamedTool
+from router.chat.thinking_budget import ThinkingBudget
 from router.errors import RouterError
 from router.http.errors import api_error
 from router.responses.request_map import build_plan
@@ -47,7 +48,9 @@ def test_defaults() -> None:
     assert got.store and not got.stream and got.chat.tool_choice == "none"
     assert got.chat.enable_thinking is None and got.chat.response_format is None
     assert plan(text={"format": {"type": "json_object"}}).chat.response_format == GrammarSpec("json_object")
-    assert plan(reasoning={"effort": "high"}).chat.enable_thinking is None
+    high = plan(reasoning={"effort": "high"}).chat
+    assert high.enable_thinking is None and high.thinking_budget == ThinkingBudget(24576, default=True)
+    assert plan().chat.thinking_budget is None
 
 
 def test_previous_response_id_puts_the_stored_conversation_first() -> None:
@@ -77,8 +80,8 @@ def test_an_unknown_previous_response_is_a_400() -> None:
     ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
@@ -102,3 +105,13 @@ def test_neutral_values_are_accepted() -> None:
     plan(background=False, truncation="disabled", service_tier="auto", top_logprobs=0,
          include=["reasoning.encrypted_content"], text={"verbosity": "medium", "format": {"type": "text"}},
          prompt_cache_key="k", safety_identifier="s", max_tool_calls=3, stream_options={})
+
+
+def test_logprobs_are_asked_for_only_with_the_include() -> None:
+    """As OpenAI: top_logprobs alone returns none; the include alone lists
+    each token's own log probability; both, its alternatives too."""
+    included = ["message.output_text.logprobs"]
+    assert plan(top_logprobs=5).chat.sampling.logprobs == -1
+    assert plan(include=included).chat.sampling.logprobs == 0
+    got = plan(include=["reasoning.encrypted_content", *included], top_logprobs=20)
+    assert got.chat.sampling.logprobs == 20 and got.echo["top_logprobs"] == 20

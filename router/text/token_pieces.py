@@ -1,6 +1,7 @@
-"""What /tokenize needs beyond the model's tokenizer: each token's bytes (the
-`piece` of `with_pieces`) and tokenizing with special tokens read as plain
-text (`parse_special: false`).
+"""What the routes need beyond the model's tokenizer: each token's bytes (the
+`piece` of /tokenize's `with_pieces`, the `token` and `bytes` of every API's
+log probabilities) and tokenizing with special tokens read as plain text
+(`parse_special: false`).
 
 Both are worked out once per tokenizer and kept while the tokenizer lives.
 """
@@ -74,6 +75,11 @@ class TokenPieces:
             return data.decode()
         except UnicodeDecodeError:
             return list(data)
+
+    def text(self, token_id: int) -> str:
+        """The token's text alone, as log probabilities show it: its bytes read
+        as UTF-8, a part of a character as U+FFFD (the exact bytes go beside it)."""
+        return self.token_bytes(token_id).decode(errors="replace")
 
     async def encode_plain(self, text: str) -> list[int]:
         """Token ids of text with special tokens spelled out as ordinary text;
