@@ -28,6 +28,18 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kv_capacity_tokens: int = 0
     # KV kept beyond what the lanes can use at once, for the prefix cache.
     prefix_cache_tokens: int = 0
+    # Host memory (MiB) for the prefix cache's host tier: pages the device
+    # evicts are kept there and copied back on a hit. 0: off; -1 (auto): the
+    # host memory available less a reserve (engine/kv/kv_sizing.py). Never
+    # more than that, whatever is asked.
+    host_kv_mib: int = 0
+    # The prefix cache's disk tier: a directory for the pages the host tier
+    # evicts (None: off; it needs the host tier), the most it may hold there
+    # (MiB, least recently used out), and how long one admission may spend
+    # reading pages back before it computes the rest (ms).
+    disk_kv_path: str | None = None
+    disk_kv_mib: int = 0
+    disk_kv_restore_ms: int = 300
     # Device memory (MiB) this model may hold in all: weights, KV, the largest
     # step's activations, CUDA graphs. Granted by the router's planner; 0: what
     # the device has free, less the headroom.
@@ -63,6 +75,18 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 "max context, KV headroom, output window, threads, prefix cache tokens and "
                 "device memory must be >= 0"
             )
+        if self.host_kv_mib < -1:
+            raise ValueError("host KV must be a size in MiB, 0 (off) or -1 (auto), "
+                             f"got {self.host_kv_mib}")
+        if self.disk_kv_mib < 0 or self.disk_kv_restore_ms < 1:
+            raise ValueError("disk KV must be a size in MiB >= 0 and its restore deadline at "
+                             f"least 1 ms, got {self.disk_kv_mib} and {self.disk_kv_restore_ms}")
+        if self.disk_kv_path and not self.host_kv_mib:
+            raise ValueError("--disk-kv-path needs the host tier (--host-kv-mib N or auto): "
+                             "pages reach the disk through it, and come back through it")
+        if self.disk_kv_path and not self.disk_kv_mib:
+            raise ValueError("--disk-kv-path needs --disk-kv-mib N, the most the tier may "
+                             "keep on disk")
         if self.kv_capacity_tokens < -1:
             raise ValueError("KV capacity must be a token count, 0 (what the lanes use) or -1 "
                              f"(all the memory given), got {self.kv_capacity_tokens}")

@@ -207,6 +207,44 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     busy_slots_total: int = 0
     # Tokens whose K/V the running sequences hold now.
     kv_tokens_used: int = 0
+    # The prefix cache's host tier (--host-kv-mib; all 0 when it is off).
+    # Pages it can hold and holds now:
+    host_kv_pages_total: int = 0
+    host_kv_pages_cached: int = 0
+    # Pages (and their tokens) admissions found there and copied back.
+    host_kv_hit_pages_total: int = 0
+    host_kv_hit_tokens_total: int = 0
+    # Admissions whose lookup stopped at a page neither tier held.
+    host_kv_misses_total: int = 0
+    # Pages the device evicted and the tier took (a page it held already is
+    # not stored again), and pages it evicted in turn to make room.
+    host_kv_stored_pages_total: int = 0
+    host_kv_evicted_pages_total: int = 0
+    # Bytes copied device -> host (stores) and host -> device (hits).
+    host_kv_bytes_to_host_total: int = 0
+    host_kv_bytes_to_device_total: int = 0
+    # The prefix cache's disk tier (--disk-kv-path; all 0 when it is off).
+    # Its budget and what its files hold now:
+    disk_kv_capacity_bytes: int = 0
+    disk_kv_bytes_cached: int = 0
+    disk_kv_pages_cached: int = 0
+    # Pages (and their tokens) admissions read back from it.
+    disk_kv_hit_pages_total: int = 0
+    disk_kv_hit_tokens_total: int = 0
+    # Admissions whose lookup stopped at a page no tier held or could read.
+    disk_kv_misses_total: int = 0
+    # Page files written, and deleted to stay within the budget.
+    disk_kv_written_pages_total: int = 0
+    disk_kv_evicted_pages_total: int = 0
+    disk_kv_bytes_read_total: int = 0
+    disk_kv_bytes_written_total: int = 0
+    # Files found damaged or foreign (deleted); pages not written (a full
+    # disk, a write error, the writer behind); restores cut short by the
+    # deadline; seconds spent reading pages back.
+    disk_kv_corrupt_pages_total: int = 0
+    disk_kv_dropped_pages_total: int = 0
+    disk_kv_deadline_hits_total: int = 0
+    disk_kv_restore_seconds_total: float = 0.0
 
 
 class StepOutputs(msgspec.Struct, tag="step", **_STRUCT):

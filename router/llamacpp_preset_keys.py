@@ -38,7 +38,7 @@ logit-bias l grammar grammar-file json-schema j json-schema-file jf backend-samp
 
 _SERVER = """
 lookup-cache-static lcs lookup-cache-dynamic lcd kv-unified-per-slot ctx-checkpoints
-swa-checkpoints ctxcp checkpoint-min-step cms cache-ram cram kv-unified kvu no-kv-unified
+swa-checkpoints ctxcp checkpoint-min-step cms kv-unified kvu no-kv-unified
 no-kvu cache-idle-slots no-cache-idle-slots context-shift no-context-shift reverse-prompt r
 special sp warmup no-warmup spm-infill cont-batching cb no-cont-batching nocb mmproj mm
 mmproj-url mmu mmproj-auto no-mmproj no-mmproj-auto mmproj-offload no-mmproj-offload

@@ -121,6 +121,29 @@ def kv_capacity(text: str) -> int:
     return integer(0)(text)
 
 
+def host_kv_size(text: str) -> int:
+    """MiB of host memory for the prefix cache's host tier; 0: off (the
+    default); `auto` (or llama.cpp's -1, "no limit"): the host memory
+    available less a reserve. Stored as -1 for auto."""
+    value = text.strip().lower()
+    if value in ("auto", "-1"):
+        return -1
+    try:
+        return integer(0)(value)
+    except OptionValueError:
+        raise OptionValueError(f"expected a size in MiB, 0 (off) or auto, got {text.strip()!r}"
+                               ) from None
+
+
+def directory(text: str) -> str:
+    """A directory path, made absolute (engines may run elsewhere); it need
+    not exist yet (the engine creates it)."""
+    value = text.strip()
+    if not value:
+        raise OptionValueError("expected a directory path")
+    return str(Path(value).expanduser().absolute())
+
+
 def names(text: str) -> tuple[str, ...]:
     """A comma-separated list of model names (`alias = a, b`)."""
     parts = tuple(part.strip() for part in text.split(","))
@@ -241,6 +264,24 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "memory given", "N|auto"),
     ModelOption("prefix-cache-tokens", integer(0), "engine.prefix_cache_tokens",
                 "KV tokens kept beyond what the lanes can use, for cached prompt prefixes", "N"),
+    ModelOption("host-kv-mib", host_kv_size, "engine.host_kv_mib",
+                "host memory (MiB) for the prefix cache's host tier: KV pages the device "
+                "evicts wait there and are copied back when a prompt reuses them (0: off; "
+                "auto: the host memory available less max(a quarter of the total, 4 GiB))",
+                "MIB|auto"),
+    ModelOption("cache-ram", host_kv_size, "engine.host_kv_mib",
+                "llama.cpp's name for --host-kv-mib (-1: auto)", "MIB|auto"),
+    ModelOption("disk-kv-path", directory, "engine.disk_kv_path",
+                "directory for the prefix cache's disk tier: KV pages the host tier evicts "
+                "are written there (in a subdirectory per model and KV format), read back "
+                "when a prompt reuses them, and found again after a restart; needs "
+                "--host-kv-mib and --disk-kv-mib", "DIR", is_path=True, default_text="off"),
+    ModelOption("disk-kv-mib", integer(0), "engine.disk_kv_mib",
+                "the most the disk tier keeps on disk (MiB; least recently used pages out)",
+                "MIB"),
+    ModelOption("disk-kv-restore-ms", integer(1), "engine.disk_kv_restore_ms",
+                "how long one request may spend reading its pages from the disk tier; the "
+                "rest of its prompt is computed", "MS"),
     ModelOption("device-memory-mib", integer(0), "engine.device_memory_mib",
                 "GPU memory (MiB) this model may hold in all (weights, KV, activations, "
                 "graphs); the planner reserves it and the KV pool fills it "

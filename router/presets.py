@@ -41,7 +41,7 @@ _LLAMA_CPP_NAMES = {
     "ctx-size": "max-context", "c": "max-context",
     "parallel": "max-concurrency", "np": "max-concurrency",
     "batch-size": "max-batched-tokens", "b": "max-batched-tokens",
-    "t": "threads", "s": "seed", "temperature": "temp",
+    "t": "threads", "s": "seed", "temperature": "temp", "cram": "cache-ram",
 }
 
 

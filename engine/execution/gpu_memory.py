@@ -7,7 +7,9 @@ decode of every lane, each sampling) on a scratch KV pool and read torch's
 peak; the KV pool then takes what the device has free, less that peak, less
 room for the CUDA graphs' memory pool, less the headroom the operator asked
 to keep. Because the profiled steps are the largest the scheduler forms, no
-step later needs more than was set aside.
+step later needs more than was set aside. The penalty counts of every lane
+(engine/sampling/penalty_state.py) are set aside too: they are allocated only
+when a request with penalties arrives, and then must fit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from engine.execution.step_inputs import DeviceInputs, StepInputs
 from engine.models import CausalLM
+from engine.sampling.penalty_state import penalty_state_bytes
 from engine.sampling.sampler import Sampler
 from engine.scheduling.sequence import Sequence
 from protocol import MemoryFacts, SamplingParams
@@ -43,10 +46,14 @@ class StepPeaks:
     # The same for the largest step with prompt chunks that replays a graph
     # (engine/execution/chunk_graphs.py); 0 when there is none.
     chunk_graph_bytes: int = 0
+    # The penalty counts of every lane, allocated at the first request with
+    # penalties (engine/sampling/penalty_state.py).
+    penalty_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
-        return max(self.prefill_bytes, self.decode_bytes)
+        """The largest step's peak, plus the penalty counts that live beside it."""
+        return max(self.prefill_bytes, self.decode_bytes) + self.penalty_bytes
 
     @property
     def graph_reserve_bytes(self) -> int:
@@ -86,7 +93,7 @@ def profile_step_peaks(
     finally:
         del scratch
         torch.cuda.empty_cache()
-    return StepPeaks(prefill, decode, chunk)
+    return StepPeaks(prefill, decode, chunk, penalty_state_bytes(max_batch, config.vocab_size))
 
 
 def _peak(model: CausalLM, sampler: Sampler, device_inputs: DeviceInputs,
@@ -168,7 +175,8 @@ class MemoryLedger:
             f"device memory ledger: total {self.total_bytes / GIB:.2f} GiB = "
             f"weights {self.weights_bytes / GIB:.2f} GiB + "
             f"KV {self.kv_bytes / GIB:.2f} GiB ({self.kv_pages} pages, {self.kv_tokens} tokens) + "
-            f"activations {self.activation_bytes / MIB:.0f} MiB (peak of the largest step) + "
+            f"activations {self.activation_bytes / MIB:.0f} MiB (peak of the largest step, "
+            f"penalty counts included) + "
             f"decode workspace {self.workspace_bytes / MIB:.0f} MiB + "
             f"CUDA graphs {self.graph_bytes / MIB:.0f} MiB ({self.graph_count} graphs) + "
             f"headroom {self.headroom_bytes / MIB:.0f} MiB; "

@@ -35,8 +35,10 @@ from engine.execution.device_state import (
 from engine.execution.embeddings import PooledVectors, Pooler
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
+from engine.execution.host_kv import HostKVPool
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
+from engine.kv.host_tier import KVTransfers
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
 from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
@@ -72,13 +74,15 @@ class ModelRunner:
         max_context: int = 0,
         max_step_tokens: int = 0,
         cuda_graph: bool = False,
+        host_kv_slots: int = 0,
     ):
         """Everything a step needs, built at once: the model's ops, a KV pool
         of num_pages pages and, with cuda_graph, the decode graphs.
         use_kernels: run our CUDA kernels (bf16 on a GPU); max_batch and
         max_context size their decode workspace and graphs, max_step_tokens
         (the scheduler's token budget) the graphs of steps with prompt
-        chunks. The model keeps
+        chunks; host_kv_slots pages of host memory hold the host tier of the
+        prefix cache (engine/execution/host_kv.py). The model keeps
         the kernel ops it was given (bootstrap sets them before measuring a
         step's memory, which sizes num_pages)."""
         if num_pages < 1:
@@ -103,6 +107,11 @@ class ModelRunner:
         if use_kernels != isinstance(self.model.ops, CudaOps):
             self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv()
+        # The host tier's pages; host memory, so it stays through a sleep.
+        self.host_kv = (HostKVPool(host_kv_slots, num_layers=self.config.num_layers,
+                                   page_size=page_size, num_kv_heads=self.config.num_kv_heads,
+                                   head_dim=self.config.head_dim, dtype=dtype, device=device)
+                        if host_kv_slots else None)
         # Tokens sampled by launched steps, for the steps launched after them.
         self.future = FutureTokens(max(max_batch, 1), device)
         # Embedding requests' vectors, and what their earlier chunks left.
@@ -248,6 +257,16 @@ class ModelRunner:
             raise RuntimeError(f"{self.model_path} now describes another model than it did at load")
         return loaded.model
 
+    # ---- the host tier -----------------------------------------------------------
+
+    def move_kv(self, transfers: KVTransfers) -> None:
+        """Queue the copies between device pages and host tier slots that the
+        scheduling of the next step asked for; the next forward pass runs
+        after them (engine/execution/host_kv.py)."""
+        if transfers:
+            assert self.host_kv is not None and self.kv_caches, "host KV copies without a host tier"
+            self.host_kv.run(transfers, self.kv_caches)
+
     # ---- one step ----------------------------------------------------------------
     #
     # A step is launched in two calls, forward() then sample(), so the engine
@@ -308,12 +327,12 @@ class ModelRunner:
         if not self.sampler.use_kernel:
             # The reference sampler draws on the host's schedule (torch
             # generators); its tokens are known at once.
-            tokens = self.sampler.sample(logits, seqs, mask)
+            tokens = self.sampler.sample(logits, seqs, mask, self.future.resolve)
             device_tokens = torch.tensor(tokens, dtype=torch.int64).to(self.device)
             self.future.write(first_slot, device_tokens, rows)
             use_processed(asked, logits, seqs, self.sampler)
             return SampledTokens(tokens, logprobs=asked.to_host(device_tokens) if asked else None)
-        device_tokens = self.sampler.sample_on_device(logits, seqs, mask)
+        device_tokens = self.sampler.sample_on_device(logits, seqs, mask, self.future.resolve)
         self.future.write(first_slot, device_tokens, rows)
         # Rows in logprobs_mode "processed": the distribution they drew from.
         use_processed(asked, logits, seqs, self.sampler)

@@ -6,12 +6,19 @@ Every page is in exactly one of three states:
   evicted in LRU order when free pages run out;
 - in use: held by one or more sequences (ref count > 0).
 check_invariants() verifies free + cached + in use == total.
+
+A cached page evicted to make room is offered to on_evict first (the host
+tier, engine/kv/host_tier.py), which queues a copy of its K/V that runs
+before anything overwrites the page.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+# (page, its hash, its tokens): a cached page about to be reused for others.
+EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
 
 
 class PoolExhausted(RuntimeError):
@@ -31,6 +38,7 @@ class BlockPool:
         # Least recently used first.
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
+        self.on_evict: EvictHook | None = None
 
     @property
     def num_free(self) -> int:
@@ -50,6 +58,12 @@ class BlockPool:
         engine keeps these pages' contents across a sleep)."""
         return list(self._cached)
 
+    def cached_key(self, page: int) -> tuple[bytes, tuple[int, ...]]:
+        """A cached page's hash and tokens."""
+        page_hash, tokens = self._hashes[page], self._tokens[page]
+        assert page_hash is not None and tokens is not None, f"page {page} is not cached"
+        return page_hash, tokens
+
     def is_idle(self, page: int) -> bool:
         """True for a cached page that no sequence holds."""
         return self._ref_counts[page] == 0
@@ -63,6 +77,8 @@ class BlockPool:
                 page = self._free.popleft()
             else:
                 page, _ = self._cached.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(page, self._hashes[page], self._tokens[page])  # type: ignore[arg-type]
                 self._forget(page)
             self._ref_counts[page] = 1
             pages.append(page)

@@ -5,18 +5,53 @@ Admission reserves pages for a sequence's tokens plus a bounded output window
 allocated, and new admissions only take what is left after them, so a running
 sequence can always grow within its window. Growing past the window takes
 unreserved free pages; when there are none the scheduler preempts.
+
+With a host tier (engine/kv/host_tier.py), pages the device evicts are copied
+to host memory, and admission continues past the device's prefix hits into
+the host tier: each page found there gets a fresh device page, a queued copy
+from the host, and a place in the device prefix cache at once (the copy runs
+before the next forward pass, the first that can read it).
+
+With a disk tier behind it (engine/kv/disk_tier.py), the pages the host tier
+evicts are written to files, and the lookup goes on into the disk after the
+host: admission reads each page found there into a host slot (synchronously,
+within the restore deadline) and from then on treats it as a host hit.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
 from engine.kv.block_hash import ROOT_HASH, hash_page
 from engine.kv.block_pool import BlockPool
+from engine.kv.disk_tier import DiskTier
+from engine.kv.host_tier import HostTier, KVTransfers
 from engine.scheduling.sequence import Sequence
 
 
+class PrefixPage(NamedTuple):
+    """One full page of a prompt's reusable prefix and where it was found."""
+
+    page_hash: bytes
+    tokens: list[int]
+    page: int | None  # the device page holding it, or None: in the host tier
+    slot: int | None  # its host tier slot when not on the device
+    on_disk: bool = False  # found in the disk tier (read into a host slot at admission)
+
+
 class KVManager:
-    def __init__(self, pool: BlockPool, fingerprint: bytes, output_window: int, max_context: int):
+    def __init__(self, pool: BlockPool, fingerprint: bytes, output_window: int, max_context: int,
+                 host: HostTier | None = None, disk: DiskTier | None = None):
         self.pool = pool
+        self.host = host
+        self.disk = disk
+        if host is not None:
+            pool.on_evict = host.offload
+        if disk is not None:
+            assert host is not None, "the disk tier takes its pages from the host tier"
+            host.on_evict = disk.spill
         self.page_size = pool.page_size
         self.fingerprint = fingerprint
         self.output_window = output_window
@@ -26,36 +61,46 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full pages at the start of seq's tokens.
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[PrefixPage], bool]:
+        """Longest run of full pages at the start of seq's tokens that the
+        device prefix cache or the host tier holds (the device first, page by
+        page), and whether the run stopped at a page neither holds.
 
         Only pages wholly inside the first num_tokens - 1 tokens count: the
         last token is always computed, since its logits are needed.
         """
-        pages: list[int] = []
-        hashes: list[bytes] = []
+        found: list[PrefixPage] = []
         params = seq.params
         if params.prompt_logprobs >= 0 or params.pooling in ("mean", "cls"):
             # Scoring needs every prompt position's logits, mean pooling every
             # position's hidden state, CLS the first's: nothing is skipped.
             # (Last pooling reads only the last token, which is always computed.)
-            return pages, hashes
+            return found, False
         parent = ROOT_HASH
         ps = self.page_size
         for index in range((seq.num_tokens - 1) // ps):
             tokens = seq.token_ids[index * ps : (index + 1) * ps]
             page_hash = hash_page(parent, tokens, self.fingerprint)
             page = self.pool.lookup(page_hash, tokens)
-            if page is None:
-                break
-            pages.append(page)
-            hashes.append(page_hash)
+            slot = None
+            if page is None and self.host is not None:
+                slot = self.host.find(page_hash, tokens)
+            on_disk = (page is None and slot is None and self.disk is not None
+                       and self.disk.find(page_hash))
+            if page is None and slot is None and not on_disk:
+                return found, True
+            found.append(PrefixPage(page_hash, tokens, page, slot, on_disk))
             parent = page_hash
-        return pages, hashes
+        return found, False
 
     def try_admit(self, seq: Sequence) -> bool:
         """Give seq pages for all its tokens and reserve its output window."""
-        cached, hashes = self._cached_prefix(seq)
+        prefix, stopped = self._cached_prefix(seq)
+        from_disk = any(entry.on_disk for entry in prefix)
+        if from_disk:
+            prefix, cut = self._read_from_disk(prefix)
+            stopped = stopped or cut
+        cached = [entry.page for entry in prefix if entry.page is not None]
         remaining_output = max(seq.params.max_tokens - seq.num_output_tokens, 0)
         target_tokens = min(
             seq.num_tokens + min(self.output_window, remaining_output), self.max_context
@@ -68,13 +113,79 @@ class KVManager:
         if target_pages - len(cached) > available:
             return False
         self.pool.acquire(cached)
-        fresh = self.pool.allocate(self.pages_for(seq.num_tokens) - len(cached))
-        seq.block_table = cached + fresh
-        seq.block_hashes = hashes
-        seq.num_computed_tokens = len(cached) * self.page_size
+        host = self.host
+        if host is not None:
+            if stopped or from_disk:
+                host.counters.misses += 1
+            if stopped and self.disk is not None:
+                self.disk.counters.misses += 1
+            # Before allocating: the pages it evicts go to the host tier, and
+            # must not push out the slots about to be read.
+            for entry in prefix:
+                if entry.slot is not None:
+                    host.take(entry.slot)
+        fresh = iter(self.pool.allocate(self.pages_for(seq.num_tokens) - len(cached)))
+        table: list[int] = []
+        for entry in prefix:
+            page = entry.page
+            if page is None:
+                page = next(fresh)
+                host.load(entry.slot, page, from_disk=entry.on_disk)  # type: ignore[union-attr,arg-type]
+                self.pool.register(page, entry.page_hash, entry.tokens)
+            table.append(page)
+        table.extend(fresh)
+        seq.block_table = table
+        seq.block_hashes = [entry.page_hash for entry in prefix]
+        seq.num_computed_tokens = len(prefix) * self.page_size
         seq.reserved_pages = target_pages
         self.outstanding += target_pages - len(seq.block_table)
         return True
+
+    def _read_from_disk(self, prefix: list[PrefixPage]) -> tuple[list[PrefixPage], bool]:
+        """Read the prefix's pages found on disk into host slots, in order;
+        the prefix up to the first that could not be read (and whether one
+        could not). The host tier's own pages of the prefix are pinned first,
+        so the slots the reads take never push them out."""
+        host, disk = self.host, self.disk
+        assert host is not None and disk is not None
+        for entry in prefix:
+            if entry.slot is not None:
+                host.take(entry.slot)
+        deadline = time.monotonic() + disk.restore_seconds
+        read: list[PrefixPage] = []
+        for entry in prefix:
+            if entry.on_disk:
+                slot = disk.read(host, entry.page_hash, entry.tokens, deadline)
+                if slot is None:
+                    return read, True
+                entry = entry._replace(slot=slot)
+            read.append(entry)
+        return read, False
+
+    def offload_cached(self) -> Iterator[KVTransfers]:
+        """At shutdown, with a disk tier: move the device's cached pages that
+        the disk lacks into the host tier (pushing its older pages to the
+        disk), a host tier's worth at a time; the caller runs each batch's
+        copies before asking for the next. close() then writes the rest."""
+        host, disk = self.host, self.disk
+        if host is None or disk is None:
+            return
+        pages = [(page, *self.pool.cached_key(page)) for page in self.pool.cached_pages()]
+        pages = [entry for entry in pages if not disk.find(entry[1])]
+        for start in range(0, len(pages), host.num_slots):
+            for page, page_hash, tokens in pages[start : start + host.num_slots]:
+                host.offload(page, page_hash, tokens)
+            yield host.take_transfers()
+
+    def close(self) -> None:
+        """At shutdown: the disk tier writes the host tier's pages it lacks."""
+        if self.disk is not None and self.host is not None:
+            self.disk.persist(self.host)
+
+    def take_transfers(self) -> KVTransfers:
+        """The host tier copies that scheduling queued, to run before the
+        next forward pass (none without a host tier)."""
+        return self.host.take_transfers() if self.host is not None else KVTransfers()
 
     def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's pages cover num_tokens tokens; False when the pool can't."""
@@ -112,6 +223,8 @@ class KVManager:
 
     def check_invariants(self, running: list[Sequence]) -> None:
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         expected = sum(max(s.reserved_pages - len(s.block_table), 0) for s in running)
         assert self.outstanding == expected, (
             f"outstanding reservations {self.outstanding} != {expected} summed over running"

@@ -117,3 +117,39 @@ def _plan_on_device(page_size: int, bytes_per_token: int, max_context: int,
                     "of %d", capacity, max_context, capacity)
         max_context = capacity
     return KvPlan(num_pages, page_size, max_context, bytes_per_token)
+
+
+# The host tier (--host-kv-mib) leaves this much host memory alone: the larger
+# of a share of the total and a floor, for the router, the OS and other models.
+HOST_RESERVE_SHARE = 0.25
+HOST_RESERVE_FLOOR_BYTES = 4 << 30
+HOST_KV_AUTO = -1
+
+
+@dataclass(frozen=True)
+class HostKvPlan:
+    num_slots: int  # pages the host tier holds (0: off)
+    page_bytes: int
+    # The most the tier may take: available host memory less the reserve.
+    limit_bytes: int
+    # A size was asked for and the limit cut it down.
+    capped: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.page_bytes
+
+
+def plan_host_kv(asked_mib: int, page_bytes: int, available_bytes: int,
+                 total_bytes: int) -> HostKvPlan:
+    """Pages of the host tier: asked_mib MiB (HOST_KV_AUTO: no bound of its
+    own), never more than the host memory available less a reserve of
+    max(25% of the total, 4 GiB), so the tier cannot push the machine into
+    swap. 0 asks for no tier."""
+    reserve = max(int(total_bytes * HOST_RESERVE_SHARE), HOST_RESERVE_FLOOR_BYTES)
+    limit = max(available_bytes - reserve, 0)
+    if asked_mib == 0:
+        return HostKvPlan(0, page_bytes, limit)
+    asked = limit if asked_mib == HOST_KV_AUTO else asked_mib * 2**20
+    granted = min(asked, limit)
+    return HostKvPlan(granted // page_bytes, page_bytes, limit, capped=granted < asked)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 
 from engine.execution.chunk_graphs import chunk_graph_tokens
@@ -16,8 +17,10 @@ from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
+from engine.kv.disk_tier import DiskTier, artifact_digest, format_digest, tier_directory
+from engine.kv.host_tier import HostTier
 from engine.kv.kv_manager import KVManager
-from engine.kv.kv_sizing import plan_kv
+from engine.kv.kv_sizing import HostKvPlan, KvPlan, plan_host_kv, plan_kv
 from engine.loader import LoadedModel, load_model
 from engine.loader.pooling import choose_pooling
 from engine.sampling.sampler import Sampler
@@ -124,6 +127,7 @@ def assemble_engine(
         plan.num_pages, plan.page_size, plan.capacity_tokens, plan.total_bytes / 2**20,
         dtype, plan.max_context, config.max_concurrency,
     )
+    host_plan = _plan_host_tier(config, plan, device)
     if device.type == "cuda":
         progress(1.0, "capturing CUDA graphs" if cuda_graph else "allocating the KV pool")
     runner = ModelRunner(
@@ -131,7 +135,14 @@ def assemble_engine(
         page_size=plan.page_size, sampler=sampler, use_kernels=use_kernels,
         max_batch=config.max_concurrency, max_context=plan.max_context,
         max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
+        host_kv_slots=host_plan.num_slots,
     )
+    if host_plan.num_slots:
+        log.info("host memory ledger: KV host tier %.1f MiB (%d pages of %d tokens, %s), "
+                 "of %.1f MiB the tier may take (host memory available less the reserve)",
+                 host_plan.total_bytes / 2**20, host_plan.num_slots, plan.page_size,
+                 "page-locked" if device.type == "cuda" else "plain memory",
+                 host_plan.limit_bytes / 2**20)
     if device.type == "cuda":
         ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
                          headroom_bytes, weights_bytes)
@@ -142,7 +153,11 @@ def assemble_engine(
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
-    kv = KVManager(BlockPool(plan.num_pages, plan.page_size), fingerprint, config.output_window, plan.max_context)
+    host_tier = (HostTier(host_plan.num_slots, plan.page_size, host_plan.page_bytes)
+                 if host_plan.num_slots else None)
+    disk_tier = _disk_tier(config, model_path, runner, host_tier)
+    kv = KVManager(BlockPool(plan.num_pages, plan.page_size), fingerprint, config.output_window,
+                   plan.max_context, host=host_tier, disk=disk_tier)
     scheduler = Scheduler(
         kv,
         max_concurrency=config.max_concurrency,
@@ -181,6 +196,46 @@ def assemble_engine(
         memory=memory,
     )
     return core, ready
+
+
+def _plan_host_tier(config: EngineOptions, plan: KvPlan, device: torch.device) -> HostKvPlan:
+    """The host tier's size from --host-kv-mib and the host memory available
+    now (on the CPU less the KV pool, which is about to take its share)."""
+    memory = psutil.virtual_memory()
+    available = memory.available - (plan.total_bytes if device.type == "cpu" else 0)
+    host_plan = plan_host_kv(config.host_kv_mib, plan.bytes_per_token * plan.page_size,
+                             available, memory.total)
+    if config.host_kv_mib and host_plan.capped:
+        log.warning("--host-kv-mib %s: only %.1f MiB of host memory may be taken (available "
+                    "less a reserve of max(25%% of the total, 4 GiB)); the host tier gets %d "
+                    "pages", "auto" if config.host_kv_mib < 0 else config.host_kv_mib,
+                    host_plan.limit_bytes / 2**20, host_plan.num_slots)
+    if config.host_kv_mib and not host_plan.num_slots:
+        log.warning("--host-kv-mib: not even one KV page (%d bytes) fits; the host tier is off",
+                    host_plan.page_bytes)
+    return host_plan
+
+
+def _disk_tier(config: EngineOptions, model_path: Path, runner: ModelRunner,
+               host_tier: HostTier | None) -> DiskTier | None:
+    """The disk tier under --disk-kv-path, in the subdirectory of this model's
+    files and KV format (EngineOptions refuses it without a host tier)."""
+    if not config.disk_kv_path:
+        return None
+    if host_tier is None or runner.host_kv is None:
+        log.warning("--disk-kv-path: the host tier is off (no memory for it), so is the disk tier")
+        return None
+    model = runner.config
+    kv_format = format_digest(str(runner.host_kv.dtype), host_tier.page_size, model.num_layers,
+                              model.num_kv_heads, model.head_dim)
+    directory = tier_directory(Path(config.disk_kv_path), artifact_digest(model_path), kv_format)
+    tier = DiskTier(directory, kv_format=kv_format, page_size=host_tier.page_size,
+                    page_bytes=host_tier.page_bytes, budget_bytes=config.disk_kv_mib * 2**20,
+                    restore_seconds=config.disk_kv_restore_ms / 1000, memory=runner.host_kv)
+    log.info("disk memory ledger: KV disk tier up to %d MiB in %s (%d pages held now), "
+             "restores cut after %d ms", config.disk_kv_mib, directory, tier.num_cached,
+             config.disk_kv_restore_ms)
+    return tier
 
 
 def loaded_weights_bytes(loaded: LoadedModel) -> int:

@@ -1,12 +1,15 @@
 """Turns the last-position logits of a batch into one token per row.
 
 Grammar rows first lose the tokens their grammar forbids (a TokenMask, see
-engine/sampling/grammar.py), then rows with a logit_bias get it added. Greedy rows take the argmax. Sampled rows apply
-penalties, temperature, then top-k, top-p and min-p on one sorted copy of the
-batch, and draw from what is left. A row whose token is forced
+engine/sampling/grammar.py), then rows with a logit_bias get it added, then
+rows with penalties get them, for the whole batch at once from counts kept
+on the device (engine/sampling/penalty_state.py). A row whose token is forced
 (engine/sampling/forced_tokens.py) is left one finite logit after the
-penalties, so it draws that token whatever it is sampled with. A request with a seed draws from its own
-generator, so its tokens do not depend on which other requests share the batch.
+penalties, so it draws that token whatever it is sampled with. Greedy rows
+take the argmax. Sampled rows apply temperature, then top-k, top-p and min-p
+on one sorted copy of the batch, and draw from what is left. A request with a
+seed draws from its own generator, so its tokens do not depend on which other
+requests share the batch.
 
 On CUDA with our kernels (use_kernel), the truncation and the draw run in one
 kernel for the whole batch (kernels/sampling.py): each row draws from a
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.sampling.penalty_state import AppliedPenalties, PenaltyState, Resolve
 from engine.scheduling.sequence import Sequence
 from kernels.reference import sampling_survivors
 from kernels.sampling import sample_tokens
@@ -46,10 +50,12 @@ class Sampler:
         # The kernel path: unseeded requests' seeds come from here.
         self._seed_source = torch.Generator().manual_seed(seed)
         self._kernel_seeds: dict[str, int] = {}
+        self.penalties = PenaltyState(device)
 
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
         self._kernel_seeds.pop(request_id, None)
+        self.penalties.free(request_id)
 
     def _kernel_seed(self, seq: Sequence) -> int:
         if seq.params.seed is not None:
@@ -72,15 +78,18 @@ class Sampler:
         return generator
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], mask: TokenMask | None = None) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence], mask: TokenMask | None = None,
+               resolve: Resolve | None = None) -> list[int]:
         """logits: float32 [N, vocab], row i belongs to seqs[i]; mask, if any,
-        is applied first, so penalties and truncation see only allowed tokens."""
+        is applied first, so penalties and truncation see only allowed tokens.
+        resolve reads placeholder token ids from the device (the model
+        runner's FutureTokens.resolve): a penalty row's newest token may be one."""
         if self.use_kernel:
-            return self.sample_on_device(logits, seqs, mask).tolist()
+            return self.sample_on_device(logits, seqs, mask, resolve).tolist()
         if mask is not None:
             mask.apply(logits)
         self._apply_bias(logits, seqs)
-        self._apply_penalties(logits, seqs)
+        penalised = self._penalise(logits, seqs, resolve)
         if mask is not None:
             mask.force(logits)  # last: a forced token outvotes bias and penalties
         result = logits.argmax(dim=-1)
@@ -89,11 +98,14 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             chosen = self._draw(logits.index_select(0, rows), [seqs[i] for i in sampled_rows])
             result.index_copy_(0, rows, chosen)
+        if penalised is not None:
+            penalised.record(result)
         return result.tolist()
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, seqs: Seq[Sequence],
-                         mask: TokenMask | None = None) -> torch.Tensor:
+                         mask: TokenMask | None = None, resolve: Resolve | None = None
+                         ) -> torch.Tensor:
         """The kernel path: int64 [N] tokens on the device, nothing waited for.
         Each row's random stream is keyed by its count of output tokens, a
         token still on the device (a placeholder) included, so a row draws
@@ -101,12 +113,16 @@ class Sampler:
         if mask is not None:
             mask.apply(logits)
         self._apply_bias(logits, seqs)
-        self._apply_penalties(logits, seqs)
+        penalised = self._penalise(logits, seqs, resolve)
         if mask is not None:
             mask.force(logits)  # last: a forced token outvotes bias and penalties
         if all(seq.params.greedy for seq in seqs):
-            return logits.argmax(dim=-1)
-        return self._sample_with_kernel(logits, seqs)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_with_kernel(logits, seqs)
+        if penalised is not None:
+            penalised.record(tokens)
+        return tokens
 
     def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
@@ -134,32 +150,11 @@ class Sampler:
             values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
             logits[row, ids] += values
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
-        # Penalties read the tokens so far: the engine samples these rows only
-        # once the step before has reached the host (no placeholders left).
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if not params.has_penalties:
-                continue
-            window = params.penalty_last_n
-            recent = seq.token_ids[-window:] if window > 0 else seq.token_ids
-            if params.repetition_penalty != 1.0:
-                # Prompt and output tokens alike, as llama.cpp and transformers do:
-                # divide positive logits, multiply negative ones.
-                seen = torch.tensor(sorted(set(recent)), device=logits.device)
-                values = logits[row, seen]
-                logits[row, seen] = torch.where(
-                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-                )
-            # OpenAI's definition: only generated tokens count; with a window,
-            # llama.cpp's: the last tokens of the context.
-            output = recent if window > 0 else seq.output_token_ids
-            if output and (params.presence_penalty or params.frequency_penalty):
-                counts = torch.bincount(
-                    torch.tensor(output, device=logits.device), minlength=logits.shape[1]
-                ).to(logits.dtype)
-                logits[row] -= counts * params.frequency_penalty
-                logits[row] -= (counts > 0).to(logits.dtype) * params.presence_penalty
+    def _penalise(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                  resolve: Resolve | None) -> AppliedPenalties | None:
+        # Read from and recorded into device state: a penalty row needs no
+        # token from the host, so it is sampled ahead like a plain row.
+        return self.penalties.apply(logits, seqs, resolve)
 
     def final_logprobs(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """float32 [N, vocab]: the log of the distribution each row drew its

@@ -11,8 +11,9 @@ device's. Each turn:
    behind step N, reading step N's tokens from the device where they are
    needed (engine/execution/future_tokens.py);
 3. launch step N + 1's sampling, but for rows that need step N's token on
-   the host first (a grammar mask, penalties over its tokens, a token that
-   may be forced: engine/sampling/forced_tokens.py);
+   the host first (a grammar mask, a token that may be forced:
+   engine/sampling/forced_tokens.py; penalties need nothing from the host,
+   their counts live on the device: engine/sampling/penalty_state.py);
 4. complete step N: wait for its tokens, advance the grammar matchers, let
    the scheduler place the tokens and finish sequences, queue the outputs;
 5. for the rows put off, fill the grammar masks and decide the forced
@@ -161,6 +162,12 @@ class EngineCore:
             log.info("shutdown: aborted %d request(s) still here", len(left))
         if self._pending:
             self._publish()
+        # The disk tier (if any) keeps the cached pages for the next run:
+        # the device's go through the host tier, whose pages it then writes.
+        kv = self.scheduler.kv
+        for transfers in kv.offload_cached():
+            self.runner.move_kv(transfers)
+        kv.close()
         self._stopping = True
 
     @property
@@ -328,6 +335,11 @@ class EngineCore:
         """One turn of the pipeline: launch the next step, complete the one
         before it (see the module's docstring)."""
         out = self.scheduler.schedule()
+        # Pages the scheduling moved between the device and the host tier:
+        # copied before this step's forward pass reads or overwrites them.
+        transfers = self.scheduler.kv.take_transfers()
+        if transfers:
+            self.runner.move_kv(transfers)
         forward: StepForward | None = None
         launched: InFlight | None = None
         parts: list[tuple[list[int] | None, SampledTokens]] = []
@@ -367,11 +379,11 @@ class EngineCore:
 
     def _needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a sampling row needs its newest token on the host before
-        it can be sampled: a grammar mask, penalties over its tokens, or a
-        token that may be forced (engine/sampling/forced_tokens.py)."""
+        it can be sampled: a grammar mask, or a token that may be forced
+        (engine/sampling/forced_tokens.py). Penalties do not need it: their
+        counts are kept on the device (engine/sampling/penalty_state.py)."""
         # A request with a grammar has a matcher: admission refuses it otherwise.
-        return (seq.params.has_penalties or seq.params.grammar is not None
-                or self.forced.needs_host(seq))
+        return seq.params.grammar is not None or self.forced.needs_host(seq)
 
     def _sample(self, out: SchedulerOutput, forward: StepForward, first_slot: int,
                 mask: TokenMask | None = None, rows: list[int] | None = None) -> SampledTokens:
@@ -531,6 +543,10 @@ class EngineCore:
         stats.kv_tokens_used = sum(seq.num_computed_tokens for seq in scheduler.running)
         stats.preemptions_total = scheduler.num_preemptions
         stats.cached_tokens_total = scheduler.num_cached_tokens_total
+        if scheduler.kv.host is not None:
+            scheduler.kv.host.report(stats)
+        if scheduler.kv.disk is not None:
+            scheduler.kv.disk.report(stats)
         stats.steps_total = self.step_count
         outputs, self._pending = self._pending, []
         # The output thread encodes later, after this loop has moved on: send a copy.

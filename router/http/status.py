@@ -69,6 +69,13 @@ def model_load(manager: ModelManager, slot: ModelSlot) -> dict[str, Any]:
         "kv_tokens": stats.kv_tokens_used,
         "kv_fraction": stats.kv_pages_used / max(kv.num_pages, 1),
         "lane_fraction": admitted / kv.max_concurrency,
+        # The prefix cache's host tier: pages held, and its capacity (0: off).
+        "host_kv_pages": stats.host_kv_pages_cached,
+        "host_kv_capacity_pages": stats.host_kv_pages_total,
+        # The disk tier: page files held, their bytes, and its budget (0: off).
+        "disk_kv_pages": stats.disk_kv_pages_cached,
+        "disk_kv_bytes": stats.disk_kv_bytes_cached,
+        "disk_kv_capacity_bytes": stats.disk_kv_capacity_bytes,
     }
     return load
 
@@ -81,6 +88,23 @@ def _counters(slot: ModelSlot) -> dict[str, int]:
         "generated_tokens": int(totals["generated_tokens_total"]),
         "preemptions": int(totals["preemptions_total"]),
         "steps": int(totals["steps_total"]),
+        # Of cached_prompt_tokens, those the host tier served.
+        "host_kv_hit_tokens": int(totals["host_kv_hit_tokens_total"]),
+        "host_kv_misses": int(totals["host_kv_misses_total"]),
+        "host_kv_stored_pages": int(totals["host_kv_stored_pages_total"]),
+        "host_kv_evicted_pages": int(totals["host_kv_evicted_pages_total"]),
+        "host_kv_bytes_to_host": int(totals["host_kv_bytes_to_host_total"]),
+        "host_kv_bytes_to_device": int(totals["host_kv_bytes_to_device_total"]),
+        # Of cached_prompt_tokens, those the disk tier served.
+        "disk_kv_hit_tokens": int(totals["disk_kv_hit_tokens_total"]),
+        "disk_kv_misses": int(totals["disk_kv_misses_total"]),
+        "disk_kv_written_pages": int(totals["disk_kv_written_pages_total"]),
+        "disk_kv_evicted_pages": int(totals["disk_kv_evicted_pages_total"]),
+        "disk_kv_bytes_read": int(totals["disk_kv_bytes_read_total"]),
+        "disk_kv_bytes_written": int(totals["disk_kv_bytes_written_total"]),
+        "disk_kv_corrupt_pages": int(totals["disk_kv_corrupt_pages_total"]),
+        "disk_kv_dropped_pages": int(totals["disk_kv_dropped_pages_total"]),
+        "disk_kv_deadline_hits": int(totals["disk_kv_deadline_hits_total"]),
     }
 
 

@@ -51,6 +51,13 @@ COUNTERS = (
     "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "preemptions_total",
     "steps_total", "prefill_tokens_total", "prefill_seconds_total", "decode_seconds_total",
     "forward_passes_total", "busy_slots_total",
+    "host_kv_hit_pages_total", "host_kv_hit_tokens_total", "host_kv_misses_total",
+    "host_kv_stored_pages_total", "host_kv_evicted_pages_total", "host_kv_bytes_to_host_total",
+    "host_kv_bytes_to_device_total",
+    "disk_kv_hit_pages_total", "disk_kv_hit_tokens_total", "disk_kv_misses_total",
+    "disk_kv_written_pages_total", "disk_kv_evicted_pages_total", "disk_kv_bytes_read_total",
+    "disk_kv_bytes_written_total", "disk_kv_corrupt_pages_total", "disk_kv_dropped_pages_total",
+    "disk_kv_deadline_hits_total", "disk_kv_restore_seconds_total",
 )
 
 

@@ -204,7 +204,9 @@ def test_router_load_is_a_list_in_balancer_names(router: Server) -> None:
     capacity = coder["capacity"]
     assert capacity["kv_capacity_tokens"] == capacity["kv_capacity_pages"] * capacity["kv_page_tokens"]
     assert set(coder["requests"]) == {"admitted", "running", "prefilling", "waiting"}
-    assert set(coder["occupancy"]) == {"kv_pages", "kv_tokens", "kv_fraction", "lane_fraction"}
+    assert set(coder["occupancy"]) == {"kv_pages", "kv_tokens", "kv_fraction", "lane_fraction",
+                                       "host_kv_pages", "host_kv_capacity_pages",
+                                       "disk_kv_pages", "disk_kv_bytes", "disk_kv_capacity_bytes"}
     stats = router.get("/stats", params={"model": "c1"}).json()
     (one,) = stats["models"]
     assert one["model"] == "coder" and "peak_admitted" in one and "queue" in one

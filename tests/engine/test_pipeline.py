@@ -261,6 +261,20 @@ def test_grammar_masks_are_built_after_the_token_before_is_accepted() -> None:
         assert first < taken < second, order
 
 
+def test_a_penalty_row_is_sampled_ahead_like_a_plain_one() -> None:
+    # Penalty counts live on the device (engine/sampling/penalty_state.py):
+    # the row needs nothing from the host, so it is never put off.
+    core, device, events = make_core()
+    params = p.SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5,
+                              frequency_penalty=0.3, repetition_penalty=1.2, penalty_last_n=4)
+    core.handle(p.Generate("pen", [3, 5, 7], params))
+    run(core)
+    # (The toy device's tokens do not read logits: they are the solo run's.)
+    assert results(events)["pen"] == expected([3, 5, 7], 12)
+    early = {launch: sampled_early(device, launch) for launch in range(2, device.launches + 1)}
+    assert len(early) == 11 and all(early.values()), early
+
+
 # ---- forced tokens (engine/sampling/forced_tokens.py) ------------------------
 
 def expected_with_budget(prompt: list[int], max_tokens: int, budget: p.ReasoningBudget

@@ -25,7 +25,8 @@ from router.settings import ModelSettings, SamplingOverrides
 
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
-    "prefix-cache-tokens device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling seed temp top-k top-p min-p model-suspend suspend-weights "
+    "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
+    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling seed temp top-k top-p min-p model-suspend suspend-weights "
     "chat-template chat-template-file chat-template-kwargs reasoning-budget "
     "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank"
 ).split()
@@ -79,6 +80,11 @@ def test_no_per_model_option_is_a_router_option() -> None:
         ("kv-capacity", "0", 0),
         ("kv-capacity", "131072", 131072),
         ("kv-headroom-mib", "2048", 2048),
+        ("host-kv-mib", "4096", 4096),
+        ("host-kv-mib", " auto ", -1),
+        ("host-kv-mib", "0", 0),
+        ("cache-ram", "-1", -1),
+        ("cache-ram", "8192", 8192),
         ("cuda-graph", "off", False),
         ("dtype", "bfloat16", "bfloat16"),
         ("suspend-weights", "host", "host"),
@@ -117,6 +123,9 @@ def test_values_parse(name: str, text: str, value: object) -> None:
         ("device", "gpu", "must be auto, cpu, cuda, cuda:N or a GPU index N, got 'gpu'"),
         ("kv-capacity", "lots", "expected an integer, got 'lots'"),
         ("kv-headroom-mib", "-1", "must be >= 0, got -1"),
+        ("host-kv-mib", "lots", "expected a size in MiB, 0 (off) or auto, got 'lots'"),
+        ("host-kv-mib", "-2", "expected a size in MiB, 0 (off) or auto, got '-2'"),
+        ("cache-ram", "4G", "expected a size in MiB, 0 (off) or auto, got '4G'"),
         ("dtype", "int8", "must be one of auto, float32, bfloat16, float16, got 'int8'"),
         ("suspend-weights", "ram", "must be one of host, disk, got 'ram'"),
         ("model-suspend", "maybe", "expected true or false, got 'maybe'"),
@@ -257,3 +266,49 @@ def test_pooling_is_an_engine_option_of_llama_cpps_values() -> None:
         with pytest.raises(OptionValueError, match="mean, cls, last"):
             option.parse(value)
 
+
+
+def test_host_kv_mib_reaches_the_engine_options_off_by_default() -> None:
+    assert BY_NAME["host-kv-mib"].default == 0
+    assert resolve_settings([{"host-kv-mib": -1}]).engine.host_kv_mib == -1
+    assert resolve_settings([{"cache-ram": 2048}]).engine.host_kv_mib == 2048
+    args = parser().parse_args(["--host-kv-mib", "auto"])
+    assert given_options(args) == {"host-kv-mib": -1}
+    assert given_options(parser().parse_args(["--cache-ram", "-1"])) == {"cache-ram": -1}
+    # The help renders (a bare percent sign in an option's help would break it).
+    assert "--host-kv-mib MIB|auto" in parser().format_help()
+    with pytest.raises(argparse.ArgumentError) as caught:
+        parser().parse_args(["--host-kv-mib", "much"])
+    assert str(caught.value) == ("argument --host-kv-mib: expected a size in MiB, 0 (off) or "
+                                 "auto, got 'much'")
+    with pytest.raises(ValueError, match="host KV must be a size in MiB"):
+        EngineOptions(host_kv_mib=-2)
+
+
+def test_the_disk_tier_options_reach_the_engine_and_bad_combinations_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert BY_NAME["disk-kv-path"].default is None and BY_NAME["disk-kv-mib"].default == 0
+    assert BY_NAME["disk-kv-restore-ms"].default == 300
+    monkeypatch.chdir(tmp_path)
+    given = given_options(parser().parse_args(
+        ["--host-kv-mib", "64", "--disk-kv-path", "kv", "--disk-kv-mib", "2048",
+         "--disk-kv-restore-ms", "50"]))
+    # A relative path is made absolute: the engine may run elsewhere.
+    assert given["disk-kv-path"] == str(tmp_path / "kv")
+    engine = resolve_settings([given]).engine
+    assert (engine.disk_kv_path, engine.disk_kv_mib, engine.disk_kv_restore_ms) == (
+        str(tmp_path / "kv"), 2048, 50)
+    assert "--disk-kv-path DIR" in parser().format_help()
+    with pytest.raises(ValueError, match=r"--disk-kv-path needs the host tier \(--host-kv-mib"):
+        resolve_settings([{"disk-kv-path": "/kv", "disk-kv-mib": 1}])
+    with pytest.raises(ValueError, match="--disk-kv-path needs --disk-kv-mib N"):
+        resolve_settings([{"disk-kv-path": "/kv", "host-kv-mib": -1}])
+    # A budget without a directory does nothing (a preset's [*] may set it).
+    assert resolve_settings([{"disk-kv-mib": 100}]).engine.disk_kv_path is None
+    for argv, message in ((["--disk-kv-mib", "-1"], "must be >= 0, got -1"),
+                          (["--disk-kv-restore-ms", "0"], "must be >= 1, got 0"),
+                          (["--disk-kv-path", " "], "expected a directory path")):
+        with pytest.raises(argparse.ArgumentError, match=message):
+            parser().parse_args(argv)
+    with pytest.raises(ValueError, match="restore deadline at least 1 ms"):
+        EngineOptions(disk_kv_restore_ms=0)

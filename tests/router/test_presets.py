@@ -139,6 +139,9 @@ def test_a_relative_preset_path_still_gives_absolute_model_paths(
         ("[*]\nload-on-startup = true\n", 2, "'load-on-startup' is set per model; it cannot go in [*]"),
         ("[a]\nmodel =\n", 2, "'model' needs a path"),
         ("[a]\nalias = x, x\n", 2, "option 'alias': 'x' is listed twice"),
+        ("[a]\nhost-kv-mib = 4G\n", 2,
+         "option 'host-kv-mib': expected a size in MiB, 0 (off) or auto, got '4G'"),
+        ("[*]\ncram = 4096\n", 2, "unknown option 'cram' (did you mean 'cache-ram'?)"),
     ],
 )
 def test_errors_carry_the_file_the_line_and_the_reason(text: str, line: int, reason: str) -> None:
@@ -215,3 +218,19 @@ def test_chat_template_paths_are_relative_to_the_preset(tmp_path: Path) -> None:
     with pytest.raises(PresetError, match=r"models\.ini:3: option 'chat-template': the chat "
                        r"template does not compile"):
         load_preset(path)
+
+
+def test_the_host_tier_size_is_a_preset_key_with_llama_cpps_name_too() -> None:
+    preset = parse("[*]\nhost-kv-mib = auto\n[a]\nmodel = a.gguf\ncache-ram = 8192\n")
+    assert preset.global_options == {"host-kv-mib": -1}
+    assert preset.section("a").values() == {"cache-ram": 8192}
+
+
+def test_the_disk_tier_keys_with_a_path_relative_to_the_preset(tmp_path: Path) -> None:
+    path = tmp_path / "models.ini"
+    path.write_text("[*]\nhost-kv-mib = 256\ndisk-kv-mib = 4096\n"
+                    "[a]\nmodel = a.gguf\ndisk-kv-path = kv-cache\ndisk-kv-restore-ms = 100\n")
+    preset = load_preset(path)
+    assert preset.global_options == {"host-kv-mib": 256, "disk-kv-mib": 4096}
+    assert preset.section("a").values() == {"disk-kv-path": str(tmp_path / "kv-cache"),
+                                            "disk-kv-restore-ms": 100}

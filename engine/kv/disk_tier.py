@@ -1,0 +1,372 @@
+"""The disk tier of the prefix cache: pages the host tier evicts, kept in
+files that outlive the engine (--disk-kv-path, --disk-kv-mib).
+
+Files live under DIR/<model artifact digest>/<KV format digest>/, one per
+page, named by the page's prefix digest in hex (engine/kv/block_hash.py), in
+the format of engine/kv/disk_pages.py; so a model or KV format never reads
+another's pages, and a page shared by many prompts is stored once. The tier
+is least recently used out by file, within its byte budget; at start it
+scans its directory (order from the files' mtimes, which a hit refreshes).
+
+Writes: HostTier offers each page it evicts (on_evict); the page's bytes are
+copied out of the host slot at once (the slot is about to be reused) and a
+writer thread writes them to a temporary name and renames it. A write that
+fails (a full disk: ENOSPC) drops the page, counted and logged once; serving
+goes on. Pages still resident in the host tier at shutdown are written too,
+most recently used first, for at most SHUTDOWN_WRITE_SECONDS.
+
+Reads: admission finds pages here after the device and the host tier, and
+reads them (read()), in order, into host slots, which then take the host
+tier's path to the device. The reads are synchronous, on the engine's loop
+(known limit: one admission's restore delays that step by up to its
+deadline); the deadline (--disk-kv-restore-ms) is checked between pages, and
+the pages left over are computed instead. A file that is torn, truncated,
+altered or foreign reads as a miss and is deleted.
+
+No torch here: the host slots' bytes come through SlotMemory
+(engine/execution/host_kv.py HostKVPool).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.kv.disk_pages import PageRead, file_bytes, page_header, read_page
+from engine.kv.host_tier import HostTier
+from protocol import EngineStats
+
+log = logging.getLogger(__name__)
+
+# How long a shutdown (or unload) may spend writing the host tier's pages;
+# below the router's --stop-timeout default (10 s), after which it terminates
+# the engine.
+SHUTDOWN_WRITE_SECONDS = 5.0
+# Page bytes waiting for the writer thread at most; a page evicted beyond
+# that (the disk slower than the evictions) is dropped, and counted.
+WRITE_QUEUE_BYTES = 256 * 2**20
+# A temporary file older than this at load was left by a write cut short.
+STALE_TEMPORARY_SECONDS = 60.0
+# Bumped when the layout of a page's K/V in a host slot changes.
+KV_LAYOUT_VERSION = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
+
+
+class SlotMemory(Protocol):
+    """The host tier's memory, as bytes (after the copies queued on it)."""
+
+    def slot_bytes(self, slot: int) -> bytes: ...
+
+    def slot_view(self, slot: int) -> memoryview: ...
+
+
+@dataclass
+class DiskCounters:
+    """What the tier did since the engine started (EngineStats disk_kv_*)."""
+
+    hit_pages: int = 0
+    hit_tokens: int = 0
+    # Admissions whose lookup stopped at a page no tier held (or could read).
+    misses: int = 0
+    written_pages: int = 0
+    evicted_pages: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    # Files found torn, truncated, altered or foreign, and deleted.
+    corrupt_pages: int = 0
+    # Pages not written: the disk full or failing, or the writer behind.
+    dropped_pages: int = 0
+    # Restores cut short by --disk-kv-restore-ms.
+    deadline_hits: int = 0
+    restore_seconds: float = 0.0
+
+
+def artifact_digest(model_path: Path) -> str:
+    """A digest of the model's files as they are: names, sizes, mtimes (its
+    weights are never read for this; a file rewritten in place changes it)."""
+    path = model_path.resolve()
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    facts = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.blake2b(repr((str(path), facts)).encode(), digest_size=16).hexdigest()
+
+
+def format_digest(dtype: str, page_size: int, num_layers: int, num_kv_heads: int,
+                  head_dim: int) -> bytes:
+    """A digest of what a page's bytes mean."""
+    facts = (KV_LAYOUT_VERSION, dtype, page_size, num_layers, num_kv_heads, head_dim)
+    return hashlib.blake2b(repr(facts).encode(), digest_size=16).digest()
+
+
+def tier_directory(root: Path, artifact: str, kv_format: bytes) -> Path:
+    return root / artifact / kv_format.hex()
+
+
+class DiskTier:
+    def __init__(self, directory: Path, *, kv_format: bytes, page_size: int, page_bytes: int,
+                 budget_bytes: int, restore_seconds: float, memory: SlotMemory) -> None:
+        self.directory = directory
+        self.kv_format = kv_format
+        self.page_size = page_size
+        self.page_bytes = page_bytes
+        self.file_bytes = file_bytes(page_size, page_bytes)
+        if budget_bytes < self.file_bytes:
+            raise ValueError(f"the disk KV budget ({budget_bytes} bytes) holds not even one "
+                             f"page file ({self.file_bytes} bytes)")
+        self.budget_bytes = budget_bytes
+        self.restore_seconds = restore_seconds
+        self.memory = memory
+        self.counters = DiskCounters()
+        self._lock = threading.Condition()
+        # Least recently used first: hash -> file size.
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._bytes = 0
+        self._queue: deque[tuple[bytes, tuple[int, ...], bytes]] = deque()
+        self._queued_bytes = 0
+        self._writing = False
+        self._closed = False
+        self._failures_logged: set[int] = set()
+        directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="disk-kv-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # ---- the index -------------------------------------------------------------
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._index)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    def _path(self, page_hash: bytes) -> Path:
+        return self.directory / page_hash.hex()
+
+    def _scan(self) -> None:
+        """Find the pages a run before left; LRU order from their mtimes."""
+        found: list[tuple[int, bytes, int]] = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".tmp"):
+                # A write cut short by an exit (a recent one may be another
+                # engine's, of the same model, writing now).
+                if time.time() - entry.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+                    Path(entry.path).unlink(missing_ok=True)
+                continue
+            try:
+                page_hash = bytes.fromhex(entry.name)
+            except ValueError:
+                continue
+            if len(page_hash) == 16 and entry.is_file():
+                stat = entry.stat()
+                found.append((stat.st_mtime_ns, page_hash, stat.st_size))
+        for _, page_hash, size in sorted(found):
+            self._index[page_hash] = size
+            self._bytes += size
+        self._evict_over_budget()
+        log.info("disk KV tier: %d pages (%.1f MiB of %.1f MiB) found in %s", len(self._index),
+                 self._bytes / 2**20, self.budget_bytes / 2**20, self.directory)
+
+    def find(self, page_hash: bytes) -> bool:
+        with self._lock:
+            return page_hash in self._index
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes held, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def _forget(self, page_hash: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(page_hash, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _evict_over_budget(self) -> None:
+        while True:
+            with self._lock:
+                if self._bytes <= self.budget_bytes or not self._index:
+                    return
+                page_hash, size = self._index.popitem(last=False)
+                self._bytes -= size
+                self.counters.evicted_pages += 1
+            self._path(page_hash).unlink(missing_ok=True)
+
+    # ---- writes ----------------------------------------------------------------
+
+    def spill(self, slot: int, page_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """HostTier.on_evict: a page leaving the host tier; its bytes are
+        still in the slot, and copied out now."""
+        with self._lock:
+            if page_hash in self._index:
+                self._index.move_to_end(page_hash)
+                return
+            if self._closed or self._queued_bytes + self.page_bytes > WRITE_QUEUE_BYTES:
+                self.counters.dropped_pages += 1
+                return
+            self._queued_bytes += self.page_bytes
+        payload = self.memory.slot_bytes(slot)
+        with self._lock:
+            self._queue.append((page_hash, tokens, payload))
+            self._lock.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                page_hash, tokens, payload = self._queue.popleft()
+                self._writing = True
+            try:
+                self._write(page_hash, tokens, payload)
+            finally:
+                with self._lock:
+                    self._writing = False
+                    self._queued_bytes -= len(payload)
+                    self._lock.notify_all()
+
+    def _write(self, page_hash: bytes, tokens: Sequence[int], payload: bytes) -> None:
+        if self.find(page_hash):
+            return
+        path = self._path(page_hash)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        header = page_header(self.kv_format, page_hash, tokens, payload)
+        try:
+            with open(temporary, "wb") as file:
+                file.write(header)
+                file.write(payload)
+            # No fsync: a file torn by a power cut fails its checksum later.
+            os.replace(temporary, path)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            with self._lock:
+                self.counters.dropped_pages += 1
+            code = exc.errno or 0
+            if code not in self._failures_logged:
+                self._failures_logged.add(code)
+                log.warning("disk KV tier: cannot write a page to %s (%s)%s; such pages are "
+                            "dropped, serving goes on (logged once)", self.directory, exc,
+                            ": the disk is full" if code == errno.ENOSPC else "")
+            return
+        size = len(header) + len(payload)
+        with self._lock:
+            self._index[page_hash] = size
+            self._bytes += size
+            self.counters.written_pages += 1
+            self.counters.bytes_written += size
+        self._evict_over_budget()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued page is written (at most timeout seconds)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def persist(self, host: HostTier, seconds: float = SHUTDOWN_WRITE_SECONDS) -> None:
+        """At shutdown: write what waits in the queue, then the pages resident
+        in the host tier that the disk lacks, most recently used first, for at
+        most `seconds` in all; then stop the writer."""
+        started = time.monotonic()
+        deadline = started + seconds
+        self.flush(seconds)
+        self.close()
+        resident = [entry for entry in reversed(host.resident()) if not self.find(entry[1])]
+        written = 0
+        for slot, page_hash, tokens in resident:
+            if time.monotonic() >= deadline:
+                break
+            self._write(page_hash, tokens, self.memory.slot_bytes(slot))
+            written += 1
+        log.info("disk KV tier: wrote %d of the host tier's %d pages the disk lacked in "
+                 "%.2fs%s", written, len(resident), time.monotonic() - started,
+                 f" ({len(resident) - written} left: the {seconds:g}s bound)"
+                 if written < len(resident) else "")
+
+    def close(self) -> None:
+        """Stop the writer thread once the queue is empty (or dropped)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._lock.notify_all()
+        self._writer.join()
+
+    # ---- reads -----------------------------------------------------------------
+
+    def read(self, host: HostTier, page_hash: bytes, tokens: Sequence[int],
+             deadline: float) -> int | None:
+        """Read one page found here into a host slot, pinned there until the
+        host tier's transfers are taken; None when it cannot be read (gone,
+        damaged, no host slot free, or the restore's deadline, a
+        time.monotonic() value, passed): its tokens are computed instead."""
+        started = time.monotonic()
+        if started > deadline:
+            self.counters.deadline_hits += 1
+            return None
+        slot = host.store(page_hash, tokens)
+        if slot is None:
+            return None  # every host slot is being read this step
+        path = self._path(page_hash)
+        status = read_page(path, self.kv_format, page_hash, tokens, self.memory.slot_view(slot))
+        self.counters.restore_seconds += time.monotonic() - started
+        if status is not PageRead.OK:
+            host.discard(slot)
+            self._forget(page_hash)
+            if status is PageRead.CORRUPT:
+                self.counters.corrupt_pages += 1
+                path.unlink(missing_ok=True)
+                log.warning("disk KV tier: page file %s is damaged or foreign; deleted, its "
+                            "tokens are computed instead", path.name)
+            return None
+        host.take(slot)
+        self._touch(page_hash)
+        counters = self.counters
+        counters.hit_pages += 1
+        counters.hit_tokens += len(tokens)
+        counters.bytes_read += self.file_bytes
+        return slot
+
+    def _touch(self, page_hash: bytes) -> None:
+        """Most recently used, here and (through its mtime) after a restart."""
+        with self._lock:
+            if page_hash in self._index:
+                self._index.move_to_end(page_hash)
+        try:
+            os.utime(self._path(page_hash))
+        except OSError:
+            pass  # evicted meanwhile: the order only matters while it exists
+
+    def report(self, stats: EngineStats) -> None:
+        counters = self.counters
+        stats.disk_kv_capacity_bytes = self.budget_bytes
+        stats.disk_kv_bytes_cached = self._bytes
+        stats.disk_kv_pages_cached = len(self._index)
+        stats.disk_kv_hit_pages_total = counters.hit_pages
+        stats.disk_kv_hit_tokens_total = counters.hit_tokens
+        stats.disk_kv_misses_total = counters.misses
+        stats.disk_kv_written_pages_total = counters.written_pages
+        stats.disk_kv_evicted_pages_total = counters.evicted_pages
+        stats.disk_kv_bytes_read_total = counters.bytes_read
+        stats.disk_kv_bytes_written_total = counters.bytes_written
+        stats.disk_kv_corrupt_pages_total = counters.corrupt_pages
+        stats.disk_kv_dropped_pages_total = counters.dropped_pages
+        stats.disk_kv_deadline_hits_total = counters.deadline_hits
+        stats.disk_kv_restore_seconds_total = counters.restore_seconds

@@ -1,0 +1,203 @@
+"""The context cache below the device: tiers of full KV pages keyed by their
+prefix digest (engine/kv/block_hash.py), and the host RAM tier.
+
+A tier holds copies of full pages. The device prefix cache (BlockPool) offers
+it each page it evicts; admission looks up the pages that follow the device
+hits, and each one found is copied back into a fresh device page. A page's
+hash covers every token before it and the model's KV format, so a tier never
+needs to know which request a page came from; tokens are compared on a hit
+as the device cache does.
+
+This module is pure bookkeeping (no torch): which slot of the host pool holds
+which page. The bytes move in engine/execution/host_kv.py, driven by the
+KVTransfers this module queues, before the next forward pass.
+
+The disk tier (engine/kv/disk_tier.py) sits behind the host tier:
+HostTier.store evicts its least recently used page to make room and offers it
+to on_evict first, while its bytes are still in the slot (the queued copy
+into it has not run). A page whose own copy into the slot is still queued has
+no bytes there yet: it is not offered, and that copy is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protocol import EngineStats
+
+# (slot, its page's hash, its tokens): a page about to leave the host tier.
+HostEvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+
+
+class KVTier(Protocol):
+    """A store of full KV pages below the device, keyed by page hash.
+
+    find() only looks; take() commits to reading a page found (the slot stays
+    put until the queued copies run); store() takes a page the tier above
+    evicts, or returns None when it keeps it already or cannot take it."""
+
+    def find(self, page_hash: bytes, tokens: Sequence[int]) -> int | None: ...
+
+    def take(self, slot: int) -> None: ...
+
+    def store(self, page_hash: bytes, tokens: Sequence[int]) -> int | None: ...
+
+
+@dataclass
+class TierCounters:
+    """What a tier did since the engine started (EngineStats host_kv_*)."""
+
+    hit_pages: int = 0
+    hit_tokens: int = 0
+    # Admissions whose lookup in this tier stopped at a page it does not hold.
+    misses: int = 0
+    stored_pages: int = 0
+    evicted_pages: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+
+@dataclass
+class KVTransfers:
+    """Copies between device pages and host slots, queued while a step is
+    scheduled and run before its forward pass: every store first (they read
+    device pages that the step may overwrite), then every load. A slot being
+    loaded is never reused by a store in the same batch (HostTier pins it)."""
+
+    # (device page, host slot): an evicted page's K/V, copied to the host.
+    stores: list[tuple[int, int]] = field(default_factory=list)
+    # (host slot, device page): a page found in the host tier, copied back.
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads)
+
+
+class HostTier:
+    """Slots of a host memory pool holding full KV pages, least recently used
+    out. A page hash is stored once: a page evicted from the device again while
+    the tier holds it only refreshes its place in the LRU order."""
+
+    def __init__(self, num_slots: int, page_size: int, page_bytes: int):
+        if num_slots < 1:
+            raise ValueError(f"a host KV tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.page_bytes = page_bytes
+        self.counters = TierCounters()
+        self.transfers = KVTransfers()
+        self._free = list(range(num_slots - 1, -1, -1))
+        # Least recently used first: slot -> (hash, tokens).
+        self._slots: OrderedDict[int, tuple[bytes, tuple[int, ...]]] = OrderedDict()
+        self._by_hash: dict[bytes, int] = {}
+        # Slots read by queued loads: not reused until the transfers are taken.
+        self._pinned: set[int] = set()
+        self.on_evict: HostEvictHook | None = None
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slots)
+
+    def find(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
+        slot = self._by_hash.get(page_hash)
+        if slot is None or self._slots[slot][1] != tuple(tokens):
+            return None
+        return slot
+
+    def take(self, slot: int) -> None:
+        self._slots.move_to_end(slot)
+        self._pinned.add(slot)
+
+    def load(self, slot: int, page: int, *, from_disk: bool = False) -> None:
+        """Queue the copy of a slot found by find() into a device page (a
+        page the disk tier read into the slot counts as the disk's hit)."""
+        self.take(slot)
+        self.transfers.loads.append((slot, page))
+        counters = self.counters
+        if not from_disk:
+            counters.hit_pages += 1
+            counters.hit_tokens += self.page_size
+        counters.bytes_to_device += self.page_bytes
+
+    def store(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
+        known = self._by_hash.get(page_hash)
+        if known is not None:
+            self._slots.move_to_end(known)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = next((s for s in self._slots if s not in self._pinned), None)
+            if slot is None:
+                return None  # every slot is being read this step: the page is dropped
+            victim, victim_tokens = self._slots.pop(slot)
+            del self._by_hash[victim]
+            self.counters.evicted_pages += 1
+            stores = self.transfers.stores
+            if any(queued == slot for _, queued in stores):
+                self.transfers.stores = [(p, s) for p, s in stores if s != slot]
+            elif self.on_evict is not None:
+                self.on_evict(slot, victim, victim_tokens)
+        self._slots[slot] = (page_hash, tuple(tokens))
+        self._by_hash[page_hash] = slot
+        return slot
+
+    def offload(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
+        """A device page evicted from the prefix cache: keep a copy, queued
+        before anything overwrites the page."""
+        slot = self.store(page_hash, tokens)
+        if slot is None:
+            return
+        self.transfers.stores.append((page, slot))
+        self.counters.stored_pages += 1
+        self.counters.bytes_to_host += self.page_bytes
+
+    def discard(self, slot: int) -> None:
+        """Free a slot that store() gave out but that holds no page after all
+        (the disk tier could not read the page into it)."""
+        page_hash, _ = self._slots.pop(slot)
+        del self._by_hash[page_hash]
+        self._pinned.discard(slot)
+        self._free.append(slot)
+
+    def resident(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """(slot, hash, tokens) of every page whose bytes are in its slot (or
+        on their way: copies queued before), least recently used first."""
+        queued = {slot for _, slot in self.transfers.stores}
+        return [(slot, page_hash, tokens) for slot, (page_hash, tokens) in self._slots.items()
+                if slot not in queued]
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies queued since the last call; their slots may be reused
+        after this (the copies are ordered before any later one)."""
+        transfers, self.transfers = self.transfers, KVTransfers()
+        self._pinned.clear()
+        return transfers
+
+    def report(self, stats: EngineStats) -> None:
+        """Copy the tier's size and counters into the engine's stats."""
+        counters = self.counters
+        stats.host_kv_pages_total = self.num_slots
+        stats.host_kv_pages_cached = len(self._slots)
+        stats.host_kv_hit_pages_total = counters.hit_pages
+        stats.host_kv_hit_tokens_total = counters.hit_tokens
+        stats.host_kv_misses_total = counters.misses
+        stats.host_kv_stored_pages_total = counters.stored_pages
+        stats.host_kv_evicted_pages_total = counters.evicted_pages
+        stats.host_kv_bytes_to_host_total = counters.bytes_to_host
+        stats.host_kv_bytes_to_device_total = counters.bytes_to_device
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes held, least recently used first."""
+        return [page_hash for page_hash, _ in self._slots.values()]
+
+    def check_invariants(self) -> None:
+        assert len(self._free) + len(self._slots) == self.num_slots, (
+            f"host tier: free {len(self._free)} + cached {len(self._slots)} != {self.num_slots}")
+        assert not set(self._free) & self._slots.keys(), "a host slot is both free and cached"
+        assert len(self._by_hash) == len(self._slots), "host tier hash index is stale"
+        for page_hash, slot in self._by_hash.items():
+            assert self._slots[slot][0] == page_hash, f"host slot {slot}'s hash index is stale"

@@ -1,0 +1,146 @@
+"""The disk tier's files and bookkeeping (engine/kv/disk_tier.py,
+engine/kv/disk_pages.py) without a model: host slots are plain bytearrays."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.kv.disk_pages import PageRead, page_header, read_page
+from engine.kv.disk_tier import DiskTier
+from engine.kv.host_tier import HostTier
+
+PAGE = 2
+PAGE_BYTES = 64
+FORMAT = b"F" * 16
+
+
+class Slots:
+    def __init__(self, count: int) -> None:
+        self.memory = [bytearray(PAGE_BYTES) for _ in range(count)]
+
+    def slot_bytes(self, slot: int) -> bytes:
+        return bytes(self.memory[slot])
+
+    def slot_view(self, slot: int) -> memoryview:
+        return memoryview(self.memory[slot])
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def tokens(n: int) -> tuple[int, ...]:
+    return (n, n + 1)
+
+
+def make_tier(directory: Path, pages: int, slots: Slots) -> DiskTier:
+    probe = page_header(FORMAT, h(0), tokens(0), bytes(PAGE_BYTES))
+    return DiskTier(directory, kv_format=FORMAT, page_size=PAGE, page_bytes=PAGE_BYTES,
+                    budget_bytes=pages * (len(probe) + PAGE_BYTES), restore_seconds=1.0,
+                    memory=slots)
+
+
+def spill(tier: DiskTier, slots: Slots, n: int) -> None:
+    slots.memory[0][:] = bytes([n]) * PAGE_BYTES
+    tier.spill(0, h(n), tokens(n))
+    assert tier.flush(10)
+
+
+def read(tier: DiskTier, host: HostTier, n: int) -> bytes | None:
+    slot = tier.read(host, h(n), tokens(n), time.monotonic() + 10)
+    host.take_transfers()
+    return None if slot is None else bytes(tier.memory.slot_view(slot))
+
+
+def test_a_page_file_reads_back_only_as_written(tmp_path: Path) -> None:
+    payload = bytes(range(PAGE_BYTES))
+    path = tmp_path / "page"
+    path.write_bytes(page_header(FORMAT, h(1), [5, 6], payload) + payload)
+    into = memoryview(bytearray(PAGE_BYTES))
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.OK and into == payload
+    assert read_page(path, b"G" * 16, h(1), [5, 6], into) is PageRead.CORRUPT  # other format
+    assert read_page(path, FORMAT, h(2), [5, 6], into) is PageRead.CORRUPT  # other page
+    assert read_page(path, FORMAT, h(1), [5, 7], into) is PageRead.CORRUPT  # other tokens
+    assert read_page(tmp_path / "gone", FORMAT, h(1), [5, 6], into) is PageRead.MISSING
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT  # truncated
+    path.write_bytes(whole + b"x")
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT  # too long
+    path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 0x80]))
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT  # a flipped bit
+
+
+def test_the_budget_evicts_the_least_recently_used_file(tmp_path: Path) -> None:
+    slots = Slots(4)
+    tier = make_tier(tmp_path, 3, slots)
+    host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
+    for n in (1, 2, 3):
+        spill(tier, slots, n)
+    assert tier.cached_hashes() == [h(1), h(2), h(3)]
+    assert read(tier, host, 1) == bytes([1]) * PAGE_BYTES  # page 1 is now the newest
+    spill(tier, slots, 4)
+    assert tier.cached_hashes() == [h(3), h(1), h(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(h(n).hex() for n in (1, 3, 4))
+    assert tier.counters.evicted_pages == 1 and tier.counters.written_pages == 4
+    assert tier.cached_bytes <= tier.budget_bytes
+    spill(tier, slots, 4)  # held already: not written again
+    assert tier.counters.written_pages == 4
+    tier.close()
+
+
+def test_a_restart_finds_the_files_in_their_lru_order(tmp_path: Path) -> None:
+    slots = Slots(4)
+    tier = make_tier(tmp_path, 4, slots)
+    for n in (1, 2, 3, 4):
+        spill(tier, slots, n)
+    tier.close()
+    now = time.time()
+    for age, n in ((30, 3), (20, 1), (10, 4), (5, 2)):
+        os.utime(tmp_path / h(n).hex(), (now - age, now - age))
+    stale, fresh = tmp_path / f"{h(9).hex()}.123.tmp", tmp_path / f"{h(8).hex()}.456.tmp"
+    stale.write_bytes(b"cut short")
+    os.utime(stale, (now - 120, now - 120))
+    fresh.write_bytes(b"being written by another engine")
+    (tmp_path / "notes.txt").write_text("not ours")
+    again = make_tier(tmp_path, 3, Slots(4))  # a smaller budget now
+    assert again.cached_hashes() == [h(1), h(4), h(2)]  # the oldest, page 3, evicted
+    assert not (tmp_path / h(3).hex()).exists()
+    assert not stale.exists() and fresh.exists()
+    assert (tmp_path / "notes.txt").exists()
+    host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
+    assert read(again, host, 4) == bytes([4]) * PAGE_BYTES
+    again.close()
+
+
+def test_a_restore_past_its_deadline_reads_nothing(tmp_path: Path) -> None:
+    slots = Slots(4)
+    tier = make_tier(tmp_path, 4, slots)
+    spill(tier, slots, 1)
+    host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
+    assert tier.read(host, h(1), tokens(1), time.monotonic() - 1) is None
+    assert tier.counters.deadline_hits == 1 and tier.counters.hit_pages == 0
+    assert host.num_cached == 0
+    tier.close()
+
+
+def test_a_budget_below_one_page_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not even one page file"):
+        DiskTier(tmp_path, kv_format=FORMAT, page_size=PAGE, page_bytes=PAGE_BYTES,
+                 budget_bytes=PAGE_BYTES, restore_seconds=1.0, memory=Slots(1))
+
+
+def test_a_host_page_whose_copy_is_still_queued_is_not_offered_to_the_disk() -> None:
+    """Its bytes are not in the slot yet; the copy into the slot is cancelled."""
+    tier = HostTier(1, page_size=PAGE, page_bytes=PAGE_BYTES)
+    offered: list[bytes] = []
+    tier.on_evict = lambda slot, page_hash, toks: offered.append(page_hash)
+    tier.offload(page=0, page_hash=h(0), tokens=tokens(0))
+    tier.offload(page=1, page_hash=h(1), tokens=tokens(1))  # same step: evicts page 0
+    assert offered == [] and tier.take_transfers().stores == [(1, 0)]
+    tier.offload(page=2, page_hash=h(2), tokens=tokens(2))  # the next step
+    assert offered == [h(1)]
