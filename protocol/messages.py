@@ -1,9 +1,9 @@
 """The router<->engine messages: one tagged union per direction.
 
 Router -> engine: RouterCommand (Generate, Abort, GrammarVocab, Sleep, Wake,
-Shutdown).
+Shutdown, SlotCommand).
 Engine -> router: EngineEvent (LoadProgress, Ready, StepOutputs, RequestError,
-Slept, Awake, EngineDead).
+Slept, Awake, SlotReply, EngineDead).
 
 Every Struct is array_like (encoded as a msgpack array, no field names on the
 wire) and tagged with a short string, so a decoder typed with the union picks
@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 13
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -34,6 +34,9 @@ class Generate(msgspec.Struct, tag="gen", **_STRUCT):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # llama.cpp's id_slot: run in this lane (waiting until it is free), so
+    # the lane's saved session is this request's (engine/scheduling/lanes.py).
+    id_slot: int = -1
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
@@ -78,7 +81,19 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
     pass
 
 
-RouterCommand = Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown
+class SlotCommand(msgspec.Struct, tag="slot", **_STRUCT):
+    """llama.cpp's /slots on one engine: list the lanes, or save, restore or
+    erase one lane's KV (path: the file, already validated by the router).
+    Answered by one SlotReply with the same action_id; an action on a lane
+    that is processing waits until it is free, as llama.cpp defers it."""
+
+    action_id: str
+    action: Literal["list", "save", "restore", "erase"]
+    id_slot: int = -1
+    path: str = ""
+
+
+RouterCommand = Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown | SlotCommand
 
 
 # ---- engine -> router ---------------------------------------------------------
@@ -158,6 +173,17 @@ class TokenLogprobs(msgspec.Struct, **_STRUCT):
     named_logprobs: list[float] = []
 
 
+class CacheHits(msgspec.Struct, **_STRUCT):
+    """Where a request's cached prompt tokens came from; they add up to its
+    num_cached_tokens. device, host, disk: whole pages found in that tier;
+    partial: the leading tokens of one more page, reused to the token."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    partial: int = 0
+
+
 class RequestOutput(msgspec.Struct, **_STRUCT):
     request_id: str
     # Tokens sampled for this request in this step (empty while prefilling).
@@ -180,6 +206,8 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     # list of floats costs 9 bytes each in msgpack and a Python float per value
     # on both sides, and OpenAI's base64 answer is these very bytes.
     embedding: bytes = b""
+    # Set in the first output after the request's (first) admission.
+    cache_hits: CacheHits | None = None
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):
@@ -245,6 +273,10 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     disk_kv_dropped_pages_total: int = 0
     disk_kv_deadline_hits_total: int = 0
     disk_kv_restore_seconds_total: float = 0.0
+    # Admissions that reused the leading tokens of one more page after their
+    # whole pages (engine/kv/partial_pages.py), and the tokens so reused.
+    partial_kv_hits_total: int = 0
+    partial_kv_hit_tokens_total: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step", **_STRUCT):
@@ -272,12 +304,40 @@ class Awake(msgspec.Struct, tag="awake", **_STRUCT):
     seconds: float
 
 
+class LaneState(msgspec.Struct, **_STRUCT):
+    """One lane as GET /slots shows it: the request it runs (or last ran) and
+    the tokens of that sequence (prompt and output so far)."""
+
+    id: int
+    is_processing: bool = False
+    request_id: str = ""
+    token_ids: list[int] = []
+    num_prompt_tokens: int = 0
+    # Tokens whose K/V the lane's sequence holds (llama.cpp's n_past).
+    num_computed_tokens: int = 0
+    params: SamplingParams | None = None
+
+
+class SlotReply(msgspec.Struct, tag="slotrep", **_STRUCT):
+    """The answer to a SlotCommand: error (empty on success; the file or
+    request at fault, for a 400), tokens and bytes saved, restored or
+    erased, the seconds it took; for "list", every lane."""
+
+    action_id: str
+    error: str = ""
+    num_tokens: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    lanes: list[LaneState] = []
+
+
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
     message: str
     traceback: str = ""
 
 
-EngineEvent = LoadProgress | Ready | StepOutputs | RequestError | Slept | Awake | EngineDead
+EngineEvent = (LoadProgress | Ready | StepOutputs | RequestError | Slept | Awake | SlotReply
+               | EngineDead)
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -130,6 +130,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # survive; cut tokens have -inf and rank last among the alternatives; a
     # greedy row's is one-hot at its argmax (log 1 = 0).
     logprobs_mode: LogprobsMode = "raw"
+    # False (llama.cpp's cache_prompt): the request stays out of the prefix
+    # cache: it reuses nothing and its pages are not registered there (nor
+    # offered to the host and disk tiers).
+    cache_prompt: bool = True
 
     @property
     def greedy(self) -> bool:

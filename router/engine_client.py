@@ -32,6 +32,8 @@ from protocol import (
     Shutdown,
     Sleep,
     Slept,
+    SlotCommand,
+    SlotReply,
     StepOutputs,
     Wake,
     encoder,
@@ -175,19 +177,36 @@ class EngineClient:
         # The Sleep or Wake command waiting for its answer, if any.
         self._transition: asyncio.Future[Slept | Awake] | None = None
         self._vocab_sent = False
+        self._slot_replies: dict[str, asyncio.Future[SlotReply]] = {}
         self._reader = asyncio.create_task(self._read_events(), name=f"engine-events-{name}")
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               id_slot: int = -1) -> RequestStream:
         if self.dead.done():
             raise EngineFailure(f"the engine is not running: {self.dead.result()}")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._send(Generate(request_id, prompt_token_ids, params))
+        self._send(Generate(request_id, prompt_token_ids, params, id_slot))
         return stream
+
+    async def slot_action(self, command: SlotCommand) -> SlotReply:
+        """Send a /slots action and wait for its reply (an action on a busy
+        lane is answered once the lane is free)."""
+        if self.dead.done():
+            raise EngineFailure(f"the engine is not running: {self.dead.result()}")
+        reply = self._slot_replies[command.action_id] = asyncio.get_running_loop().create_future()
+        self._send(command)
+        try:
+            done, _ = await asyncio.wait({reply, self.dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._slot_replies.pop(command.action_id, None)
+        if reply not in done:
+            raise EngineFailure(f"the engine failed: {self.dead.result()}")
+        return reply.result()
 
     def send_vocab_once(self, vocab: Callable[[], GrammarVocab]) -> None:
         """Give the engine the tokenizer vocabulary its grammars need, once,
@@ -230,7 +249,8 @@ class EngineClient:
         if not self.dead.done():
             self._send(Shutdown())
 
-    def _send(self, message: Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown) -> None:
+    def _send(self, message: Generate | Abort | GrammarVocab | Sleep | Wake | Shutdown
+              | SlotCommand) -> None:
         # The engine reads continuously, so the send completes at once; the
         # returned future needs no waiting (and abort() runs in finally blocks
         # of cancelled handlers, where waiting is not an option).
@@ -260,6 +280,10 @@ class EngineClient:
             elif isinstance(event, Ready):
                 if not self.ready.done():
                     self.ready.set_result(event)
+            elif isinstance(event, SlotReply):
+                waiter = self._slot_replies.get(event.action_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(event)
             elif isinstance(event, (Slept, Awake)):
                 if self._transition is not None and not self._transition.done():
                     self._transition.set_result(event)

@@ -46,6 +46,8 @@ class GenerationInput:
     params: SamplingParams
     stop: Sequence[str] = ()
     skip_special_tokens: bool = True
+    # llama.cpp's id_slot: the engine lane the request runs in (-1: any).
+    id_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,8 @@ class Generation:
         if record is not None:
             record.engine_request_id = self.request_id
             record.prompt_tokens = self.prompt_tokens
-        self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params)
+        self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params,
+                                                   spec.id_slot)
         self._detokenizer = IncrementalDetokenizer(
             self.text.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens
         )
@@ -185,6 +188,8 @@ class Generation:
                                                 self._record)
         assert stream is not None and detokenizer is not None and matcher is not None
         self.cached_tokens = output.num_cached_tokens
+        if output.cache_hits is not None and record is not None:
+            record.report_cache_hits(output.cache_hits)
         if output.prompt_logprobs:
             self.prompt_logprobs.extend(output.prompt_logprobs)
         ids = output.token_ids

@@ -349,6 +349,13 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "(Qwen3-Reranker's prompt; docs/llamacpp.md)", flag=True),
     ModelOption("rerank", boolean, "reranking", "llama.cpp's short name for --reranking",
                 flag=True),
+    ModelOption("slot-save-path", directory, "slot_save_path",
+                "directory where POST /slots/{id}?action=save writes a lane's KV session and "
+                "action=restore reads it (llama.cpp's; off: those actions are refused)", "DIR",
+                is_path=True, default_text="off"),
+    ModelOption("slots", boolean, "slots_endpoint",
+                "serve GET /slots, each lane's state (llama.cpp's --slots; --no-slots: off)",
+                flag=True),
 )
 
 BY_NAME: Mapping[str, ModelOption] = {option.name: option for option in OPTIONS}

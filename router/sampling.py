@@ -96,6 +96,9 @@ class SamplingRequest:
     # "raw": the model's own distribution; "processed": the one each token was
     # drawn from (llama.cpp's post_sampling_probs; protocol SamplingParams).
     logprobs_mode: LogprobsMode = "raw"
+    # False: the request neither reuses the prefix cache nor adds to it
+    # (llama.cpp's cache_prompt; protocol SamplingParams).
+    cache_prompt: bool = True
 
 
 def resolve_seed(seed: int | None, defaults: SamplingDefaults) -> int:
@@ -162,4 +165,5 @@ def build_params(
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
         logprobs_mode=request.logprobs_mode,
+        cache_prompt=request.cache_prompt,
     )

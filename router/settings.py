@@ -61,3 +61,8 @@ class ModelSettings:
     # --reranking: answer POST /rerank with this model as a yes/no judge
     # (Qwen3-Reranker's prompt; router/rerank/). Off, rerank is refused.
     reranking: bool = False
+    # llama.cpp's --slot-save-path: the directory POST /slots/{id}?action=save
+    # and restore use (None: those actions are refused); --no-slots turns
+    # GET /slots off (router/llamacpp/slots.py).
+    slot_save_path: str | None = None
+    slots_endpoint: bool = True

@@ -37,6 +37,7 @@ from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
 from engine.execution.host_kv import HostKVPool
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
+from engine.execution.page_copy import copy_page_prefixes
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.kv.host_tier import KVTransfers
 from engine.loader import LoadedModel, load_model
@@ -262,10 +263,13 @@ class ModelRunner:
     def move_kv(self, transfers: KVTransfers) -> None:
         """Queue the copies between device pages and host tier slots that the
         scheduling of the next step asked for; the next forward pass runs
-        after them (engine/execution/host_kv.py)."""
-        if transfers:
+        after them (engine/execution/host_kv.py), and the copies of pages
+        reused to the token after those (engine/execution/page_copy.py)."""
+        if transfers.stores or transfers.loads:
             assert self.host_kv is not None and self.kv_caches, "host KV copies without a host tier"
             self.host_kv.run(transfers, self.kv_caches)
+        if transfers.copies:
+            copy_page_prefixes(transfers.copies, self.kv_caches)
 
     # ---- one step ----------------------------------------------------------------
     #

@@ -9,7 +9,9 @@ check_invariants() verifies free + cached + in use == total.
 
 A cached page evicted to make room is offered to on_evict first (the host
 tier, engine/kv/host_tier.py), which queues a copy of its K/V that runs
-before anything overwrites the page.
+before anything overwrites the page. on_forget hears of every page whose
+hash is dropped (evicted or the cache cleared): the index of pages reusable
+to the token (engine/kv/partial_pages.py) follows the pool through it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 # (page, its hash, its tokens): a cached page about to be reused for others.
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+# A page whose hash was dropped.
+ForgetHook = Callable[[int], None]
 
 
 class PoolExhausted(RuntimeError):
@@ -39,6 +43,7 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
         self.on_evict: EvictHook | None = None
+        self.on_forget: ForgetHook | None = None
 
     @property
     def num_free(self) -> int:
@@ -63,6 +68,10 @@ class BlockPool:
         page_hash, tokens = self._hashes[page], self._tokens[page]
         assert page_hash is not None and tokens is not None, f"page {page} is not cached"
         return page_hash, tokens
+
+    def is_registered(self, page: int) -> bool:
+        """True for a page that holds a hash (cached or in use)."""
+        return self._hashes[page] is not None
 
     def is_idle(self, page: int) -> bool:
         """True for a cached page that no sequence holds."""
@@ -112,15 +121,17 @@ class BlockPool:
                 else:
                     self._free.append(page)
 
-    def register(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
-        """Record a page that just became full so later prompts can reuse it."""
+    def register(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> bool:
+        """Record a page that just became full so later prompts can reuse it
+        (or a partial page, engine/kv/partial_pages.py); False when it was not."""
         if self._hashes[page] is not None or page_hash in self._by_hash:
             # Already registered, or another sequence computed the same content
             # first: keep the first copy and let this one be freed plainly.
-            return
+            return False
         self._hashes[page] = page_hash
         self._tokens[page] = tuple(tokens)
         self._by_hash[page_hash] = page
+        return True
 
     def clear_cache(self) -> None:
         """Forget every cached page (no sequence holds any of them)."""
@@ -129,10 +140,18 @@ class BlockPool:
             self._forget(page)
             self._free.append(page)
 
+    def drop_cached(self, page: int) -> None:
+        """Forget one cached page nobody holds (a slot erase): it becomes free."""
+        del self._cached[page]
+        self._forget(page)
+        self._free.append(page)
+
     def _forget(self, page: int) -> None:
         page_hash = self._hashes[page]
         if page_hash is not None:
             del self._by_hash[page_hash]
+            if self.on_forget is not None:
+                self.on_forget(page)
         self._hashes[page] = None
         self._tokens[page] = None
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.kv.partial_pages import PageCopy
 from protocol import EngineStats
 
 # (slot, its page's hash, its tokens): a page about to leave the host tier.
@@ -65,15 +66,19 @@ class KVTransfers:
     """Copies between device pages and host slots, queued while a step is
     scheduled and run before its forward pass: every store first (they read
     device pages that the step may overwrite), then every load. A slot being
-    loaded is never reused by a store in the same batch (HostTier pins it)."""
+    loaded is never reused by a store in the same batch (HostTier pins it).
+    Last, the copies of pages reused to the token (engine/kv/partial_pages.py),
+    device to device: a page they read may be one a load just filled."""
 
     # (device page, host slot): an evicted page's K/V, copied to the host.
     stores: list[tuple[int, int]] = field(default_factory=list)
     # (host slot, device page): a page found in the host tier, copied back.
     loads: list[tuple[int, int]] = field(default_factory=list)
+    # The leading token slots of a cached page, copied into a fresh page.
+    copies: list[PageCopy] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads)
+        return bool(self.stores or self.loads or self.copies)
 
 
 class HostTier:
@@ -147,7 +152,11 @@ class HostTier:
 
     def offload(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
         """A device page evicted from the prefix cache: keep a copy, queued
-        before anything overwrites the page."""
+        before anything overwrites the page. A partial page (fewer tokens
+        than a page: engine/kv/partial_pages.py) is not kept: the tiers hold
+        full pages only."""
+        if len(tokens) != self.page_size:
+            return
         slot = self.store(page_hash, tokens)
         if slot is None:
             return

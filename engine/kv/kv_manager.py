@@ -16,6 +16,14 @@ With a disk tier behind it (engine/kv/disk_tier.py), the pages the host tier
 evicts are written to files, and the lookup goes on into the disk after the
 host: admission reads each page found there into a host slot (synchronously,
 within the restore deadline) and from then on treats it as a host hit.
+
+Where the whole pages end, admission goes on to the token
+(engine/kv/partial_pages.py): a device page continuing the same chain whose
+first tokens match the prompt's next ones has those token slots copied into
+the sequence's fresh page. A sequence that ends leaves its partial last page
+in the cache for that. Requests that take no hits (scored prompts, mean and
+CLS pooling, cache_prompt false) take no partial hits either, and pages of a
+request with cache_prompt false are never registered.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from engine.kv.block_hash import ROOT_HASH, hash_page
 from engine.kv.block_pool import BlockPool
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier, KVTransfers
+from engine.kv.partial_pages import PartialHit, PartialPages, partial_hash
 from engine.scheduling.sequence import Sequence
+from protocol import CacheHits, SamplingParams
 
 
 class PrefixPage(NamedTuple):
@@ -39,6 +49,16 @@ class PrefixPage(NamedTuple):
     page: int | None  # the device page holding it, or None: in the host tier
     slot: int | None  # its host tier slot when not on the device
     on_disk: bool = False  # found in the disk tier (read into a host slot at admission)
+
+
+def takes_hits(params: SamplingParams) -> bool:
+    """Whether a request may take its prompt's K/V from the cache: scoring
+    needs every prompt position's logits, mean pooling every position's
+    hidden state, CLS the first's, so nothing is skipped for them (last
+    pooling reads only the last token, which is always computed); and
+    cache_prompt false keeps a request out of the cache."""
+    return (params.cache_prompt and params.prompt_logprobs < 0
+            and params.pooling not in ("mean", "cls"))
 
 
 class KVManager:
@@ -57,6 +77,8 @@ class KVManager:
         self.output_window = output_window
         self.max_context = max_context
         self.outstanding = 0
+        self.partial = PartialPages()
+        pool.on_forget = self.partial.forget
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -70,11 +92,7 @@ class KVManager:
         last token is always computed, since its logits are needed.
         """
         found: list[PrefixPage] = []
-        params = seq.params
-        if params.prompt_logprobs >= 0 or params.pooling in ("mean", "cls"):
-            # Scoring needs every prompt position's logits, mean pooling every
-            # position's hidden state, CLS the first's: nothing is skipped.
-            # (Last pooling reads only the last token, which is always computed.)
+        if not takes_hits(seq.params):
             return found, False
         parent = ROOT_HASH
         ps = self.page_size
@@ -100,6 +118,7 @@ class KVManager:
         if from_disk:
             prefix, cut = self._read_from_disk(prefix)
             stopped = stopped or cut
+        hit = self._partial_hit(seq, prefix)
         cached = [entry.page for entry in prefix if entry.page is not None]
         remaining_output = max(seq.params.max_tokens - seq.num_output_tokens, 0)
         target_tokens = min(
@@ -109,10 +128,14 @@ class KVManager:
         # Cached pages nobody holds are counted in pool.num_free; taking them
         # does not use up a free page for the new ones.
         idle_hits = sum(1 for page in cached if self.pool.is_idle(page))
+        if hit is not None and self.pool.is_idle(hit.page):
+            idle_hits += 1  # pinned until its copy is queued
         available = self.pool.num_free - idle_hits - self.outstanding
         if target_pages - len(cached) > available:
             return False
         self.pool.acquire(cached)
+        if hit is not None:
+            self.pool.acquire([hit.page])
         host = self.host
         if host is not None:
             if stopped or from_disk:
@@ -126,20 +149,49 @@ class KVManager:
                     host.take(entry.slot)
         fresh = iter(self.pool.allocate(self.pages_for(seq.num_tokens) - len(cached)))
         table: list[int] = []
+        parent = ROOT_HASH
         for entry in prefix:
             page = entry.page
             if page is None:
                 page = next(fresh)
                 host.load(entry.slot, page, from_disk=entry.on_disk)  # type: ignore[union-attr,arg-type]
-                self.pool.register(page, entry.page_hash, entry.tokens)
+                if self.pool.register(page, entry.page_hash, entry.tokens):
+                    self.partial.add(parent, page, entry.tokens)
             table.append(page)
+            parent = entry.page_hash
         table.extend(fresh)
+        partial = 0
+        if hit is not None:
+            self.partial.copy(hit, table[len(prefix)])
+            partial = hit.num_tokens
         seq.block_table = table
         seq.block_hashes = [entry.page_hash for entry in prefix]
-        seq.num_computed_tokens = len(prefix) * self.page_size
+        seq.num_computed_tokens = len(prefix) * self.page_size + partial
+        if seq.num_output_tokens == 0:
+            # (Re)admitted before its first token: what it reused, by tier.
+            seq.cache_hits = self._hits_by_tier(prefix, partial)
         seq.reserved_pages = target_pages
         self.outstanding += target_pages - len(seq.block_table)
         return True
+
+    def _partial_hit(self, seq: Sequence, prefix: list[PrefixPage]) -> PartialHit | None:
+        """A device page continuing the prefix's chain whose first tokens are
+        seq's next ones (never its last token, which is always computed)."""
+        if not takes_hits(seq.params):
+            return None
+        start = len(prefix) * self.page_size
+        end = min(start + self.page_size, seq.num_tokens - 1)
+        if end <= start:
+            return None
+        parent = prefix[-1].page_hash if prefix else ROOT_HASH
+        return self.partial.best(parent, seq.token_ids[start:end])
+
+    def _hits_by_tier(self, prefix: list[PrefixPage], partial: int) -> CacheHits:
+        ps = self.page_size
+        device = sum(ps for entry in prefix if entry.page is not None)
+        disk = sum(ps for entry in prefix if entry.on_disk)
+        return CacheHits(device=device, host=len(prefix) * ps - device - disk, disk=disk,
+                         partial=partial)
 
     def _read_from_disk(self, prefix: list[PrefixPage]) -> tuple[list[PrefixPage], bool]:
         """Read the prefix's pages found on disk into host slots, in order;
@@ -183,9 +235,17 @@ class KVManager:
             self.disk.persist(self.host)
 
     def take_transfers(self) -> KVTransfers:
-        """The host tier copies that scheduling queued, to run before the
-        next forward pass (none without a host tier)."""
-        return self.host.take_transfers() if self.host is not None else KVTransfers()
+        """The host tier copies that scheduling queued, and the copies of
+        pages reused to the token, to run before the next forward pass."""
+        transfers = self.host.take_transfers() if self.host is not None else KVTransfers()
+        transfers.copies = self.partial.take()
+        return transfers
+
+    def unpin_copy_sources(self) -> None:
+        """The step is planned: the pages its copies read may be evicted again
+        (whatever reuses them is queued after the copies)."""
+        if self.partial.pinned:
+            self.pool.release(self.partial.take_pinned())
 
     def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's pages cover num_tokens tokens; False when the pool can't."""
@@ -209,10 +269,13 @@ class KVManager:
             parent = seq.block_hashes[-1] if index else ROOT_HASH
             tokens = seq.token_ids[index * ps : (index + 1) * ps]
             page_hash = hash_page(parent, tokens, self.fingerprint)
-            self.pool.register(seq.block_table[index], page_hash, tokens)
+            page = seq.block_table[index]
+            if seq.params.cache_prompt and self.pool.register(page, page_hash, tokens):
+                self.partial.add(parent, page, tokens)
             seq.block_hashes.append(page_hash)
 
     def free(self, seq: Sequence) -> None:
+        self._keep_partial_page(seq)
         self.outstanding -= max(seq.reserved_pages - len(seq.block_table), 0)
         # Tail first: the prefix, shared more often, stays cached longer.
         self.pool.release(reversed(seq.block_table))
@@ -221,8 +284,27 @@ class KVManager:
         seq.reserved_pages = 0
         seq.num_computed_tokens = 0
 
+    def _keep_partial_page(self, seq: Sequence) -> None:
+        """Register seq's partial last page (the tokens whose K/V it holds
+        past its last full page) so a later prompt can reuse them to the
+        token; a placeholder (a token still on the device) ends them."""
+        if not seq.params.cache_prompt:
+            return
+        known = min(seq.num_computed_tokens, seq.num_tokens)
+        while known and seq.token_ids[known - 1] < 0:
+            known -= 1
+        full, rest = divmod(known, self.page_size)
+        if not rest or full >= len(seq.block_table) or len(seq.block_hashes) < full:
+            return
+        parent = seq.block_hashes[full - 1] if full else ROOT_HASH
+        tokens = seq.token_ids[full * self.page_size : known]
+        page = seq.block_table[full]
+        if self.pool.register(page, partial_hash(parent, tokens, self.fingerprint), tokens):
+            self.partial.add(parent, page, tokens)
+
     def check_invariants(self, running: list[Sequence]) -> None:
         self.pool.check_invariants()
+        self.partial.check_invariants(self.pool.is_registered)
         if self.host is not None:
             self.host.check_invariants()
         expected = sum(max(s.reserved_pages - len(s.block_table), 0) for s in running)

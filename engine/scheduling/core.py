@@ -57,10 +57,12 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
+from engine.scheduling.slot_actions import SlotActions
 from protocol import (
     MAX_TOP_LOGPROBS,
     Abort,
     Awake,
+    CacheHits,
     EngineEvent,
     EngineStats,
     ErrorCode,
@@ -72,6 +74,8 @@ from protocol import (
     Shutdown,
     Sleep,
     Slept,
+    SlotCommand,
+    SlotReply,
     StepOutputs,
     TokenLogprobs,
     Wake,
@@ -104,6 +108,12 @@ class InFlight:
     pooled: PooledVectors | None = None
 
 
+def _take_cache_hits(seq: Sequence) -> CacheHits | None:
+    """seq's cached tokens by tier, in its first output after admission only."""
+    hits, seq.cache_hits = seq.cache_hits, None
+    return hits
+
+
 class EngineCore:
     def __init__(
         self,
@@ -129,6 +139,8 @@ class EngineCore:
         self._stopping = False
         # Cached pages kept in host memory while asleep; None while awake.
         self._kept_pages: int | None = None
+        # llama.cpp's /slots save/restore/erase (the device idle before each).
+        self.slot_actions = SlotActions(scheduler, runner, emit, self._drain)
 
     # ---- commands ----------------------------------------------------------
 
@@ -147,6 +159,11 @@ class EngineCore:
             self._wake()
         elif isinstance(command, Shutdown):
             self._shutdown()
+        elif isinstance(command, SlotCommand):
+            if self._kept_pages is not None and command.action != "list":
+                self.emit(SlotReply(command.action_id, error="the model is asleep; wake it first"))
+            else:
+                self.slot_actions.handle(command)
 
     def _shutdown(self) -> None:
         """Stop now: the router sends Shutdown once it is done with this
@@ -247,6 +264,8 @@ class EngineCore:
             self.forced.admit(command.request_id, reasoning)
         seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
         self.scheduler.add(seq)
+        if command.id_slot >= 0:
+            self.scheduler.lanes.pin(command.request_id, command.id_slot)
         self._stats.prompt_tokens_total += seq.num_prompt_tokens
 
     def _validate(self, command: Generate) -> tuple[ErrorCode, str] | None:
@@ -254,6 +273,9 @@ class EngineCore:
         max_context = self.scheduler.max_context
         if command.request_id in self.scheduler:
             return ErrorCode.DUPLICATE_REQUEST, f"request id {command.request_id!r} is already running"
+        if command.id_slot >= self.scheduler.max_concurrency:
+            return (ErrorCode.INVALID_REQUEST, f"Invalid slot ID: id_slot {command.id_slot}; this "
+                    f"model has {self.scheduler.max_concurrency} slots")
         if not prompt:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
         # A scored prompt or an embedding generates nothing: it may fill the context.
@@ -330,6 +352,8 @@ class EngineCore:
                 self.step()
             elif self._pending:
                 self._publish()
+            if self.slot_actions.deferred:
+                self.slot_actions.retry()
 
     def step(self) -> None:
         """One turn of the pipeline: launch the next step, complete the one
@@ -508,6 +532,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs or [],
+            cache_hits=_take_cache_hits(seq),
         )
 
     def _scored(self, seq: Sequence, scores: PromptScores) -> RequestOutput:
@@ -518,6 +543,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=scores.entries(),
+            cache_hits=_take_cache_hits(seq),
         )
 
     def _progress(self, seq: Sequence, computed: int) -> RequestOutput:
@@ -529,6 +555,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_computed_tokens=computed,
+            cache_hits=_take_cache_hits(seq),
         )
 
     def _publish(self) -> None:
@@ -543,6 +570,8 @@ class EngineCore:
         stats.kv_tokens_used = sum(seq.num_computed_tokens for seq in scheduler.running)
         stats.preemptions_total = scheduler.num_preemptions
         stats.cached_tokens_total = scheduler.num_cached_tokens_total
+        stats.partial_kv_hits_total = scheduler.kv.partial.hits
+        stats.partial_kv_hit_tokens_total = scheduler.kv.partial.hit_tokens
         if scheduler.kv.host is not None:
             scheduler.kv.host.report(stats)
         if scheduler.kv.disk is not None:

@@ -40,6 +40,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
+from engine.scheduling.lanes import Lanes
 from engine.scheduling.sequence import SeqStatus, Sequence
 
 
@@ -95,6 +96,8 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_cached_tokens_total = 0
+        # Which lane (llama.cpp's slot) each running sequence holds.
+        self.lanes = Lanes(max_concurrency)
 
     # ---- queue -------------------------------------------------------------
 
@@ -159,11 +162,16 @@ class Scheduler:
                 budget -= count
 
         while self.waiting and budget > 0 and len(self.running) < self.max_concurrency:
-            seq = self.waiting[0]
+            # The first in arrival order whose lane is free: one pinned to a
+            # busy lane (id_slot) waits for it without holding up the rest.
+            seq = next((s for s in self.waiting if self.lanes.can_admit(s)), None)
+            if seq is None:
+                break
             first_admission = seq.num_output_tokens == 0 and not seq.block_table
             if not self.kv.try_admit(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self.lanes.assign(seq)
             if first_admission:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_tokens_total += seq.num_cached_tokens
@@ -190,6 +198,7 @@ class Scheduler:
             # Computed as far as the scheduler is concerned: the device runs
             # this step before any later one reads these pages.
             seq.num_computed_tokens = end
+        self.kv.unpin_copy_sources()
         return out
 
     def _ends_by_length(self, seq: Sequence) -> bool:
@@ -210,6 +219,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self.lanes.release(seq, finished=False)
         self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -295,6 +305,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self.lanes.release(seq, finished=True)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from protocol import FinishReason, SamplingParams
+from protocol import CacheHits, FinishReason, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -21,6 +21,7 @@ class Sequence:
     __slots__ = (
         "block_hashes",
         "block_table",
+    "cache_hits",
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -46,6 +47,8 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first admission.
         self.num_cached_tokens = 0
+        # Where they came from, until the first output after admission sends it.
+        self.cache_hits: CacheHits | None = None
         # Pages this sequence may grow into without preemption (see KVManager).
         self.reserved_pages = 0
         # Prompt positions whose next token's log probabilities a scheduled

@@ -18,6 +18,7 @@ from router.llamacpp.completion import completion
 from router.llamacpp.embedding import embedding
 from router.llamacpp.infill import infill
 from router.llamacpp.props import get_props, post_props
+from router.llamacpp.slots import get_slots, post_slot
 from router.llamacpp.template import apply_template
 from router.llamacpp.tokens import detokenize, tokenize
 from router.openai import models as openai_models
@@ -91,6 +92,8 @@ ROUTES: list[Route] = [
     Route("POST", "/apply-template", apply_template, LCP),
     Route("GET", "/props", get_props, LCP),
     Route("POST", "/props", post_props, LCP),
+    Route("GET", "/slots", get_slots, LCP),
+    Route("POST", "/slots/{id_slot}", post_slot, LCP),
     # Rerank under llama.cpp's four paths, in Jina's and Cohere's shape
     # (router/rerank/); the /v1 ones answer errors in OpenAI's shape.
     Route("POST", "/rerank", rerank, LCP),

@@ -64,7 +64,8 @@ def _check_prompt(ids: list[int], slot: ModelSlot) -> int:
 
 def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: ModelText,
            ids: list[int], settings: CompletionSettings,
-           grammar: GrammarSpec | None, extra_eos: tuple[int, ...]) -> Generation:
+           grammar: GrammarSpec | None, extra_eos: tuple[int, ...], id_slot: int = -1
+           ) -> Generation:
     room = _check_prompt(ids, slot)
     n_predict = settings.n_predict
     # n_predict 0 evaluates the prompt into the cache: the engine computes one
@@ -76,7 +77,7 @@ def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: 
                           defaults=manager.sampling_defaults(slot),
                           eos_token_ids=text.eos_token_ids + extra_eos, grammar=grammar,
                           n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None)
-    spec = GenerationInput(ids, params, settings.sampling.stop)
+    spec = GenerationInput(ids, params, settings.sampling.stop, id_slot=id_slot)
     return Generation(engine.client, text, new_request_id("cmpl"), spec)
 
 
@@ -115,11 +116,13 @@ async def serve_completion(request: web.Request, req: CompletionRequest, slot: M
     try:
         async with lease as engine:
             ids = built[-1]
-            generation = _start(manager, slot, engine, text, ids, settings, grammar, extra_eos)
+            generation = _start(manager, slot, engine, text, ids, settings, grammar, extra_eos,
+                                req.id_slot)
             report = CompletionReport(
                 generation=generation,
                 model=slot.id,
-                # One shared prefix cache instead of slots: any slot asked for is "the" slot.
+                # id_slot pins the request to that engine lane (llama.cpp's
+                # slot); unpinned, the lane it gets is not known here.
                 id_slot=max(req.id_slot, 0),
                 settings=generation_settings(req, settings, generation.spec.params,
                                          manager.sampling_defaults(slot).seed),

@@ -212,6 +212,7 @@ def completion_settings(req: CompletionRequest) -> CompletionSettings:
         # distribution or, with post_sampling_probs, the one it was drawn from.
         logprobs=min(req.n_probs, MAX_TOP_LOGPROBS) if req.n_probs > 0 else -1,
         logprobs_mode="processed" if req.post_sampling_probs else "raw",
+        cache_prompt=req.cache_prompt,
     )
     return CompletionSettings(sampling, chain, n_predict if n_predict >= 0 else -1)
 

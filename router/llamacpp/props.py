@@ -75,7 +75,7 @@ def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict
         "model_path": str(slot.entry.path),
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": MEDIA_MARKER,
-        "endpoint_slots": False,
+        "endpoint_slots": slot.entry.settings.slots_endpoint,
         "endpoint_props": False,
         "endpoint_metrics": False,
         # llama.cpp sends both names: its older web UI reads webui_*, the newer ui_*.

@@ -29,12 +29,18 @@ def _who(record: RequestRecord) -> str:
     return text
 
 
+def _tiers(record: RequestRecord) -> str:
+    """': 16 device + 8 partial', the tiers that served cached tokens."""
+    served = [f"{count} {tier}" for tier, count in record.cached_by_tier.items() if count]
+    return ": " + " + ".join(served) if served else ""
+
+
 def _tokens(record: RequestRecord) -> str:
     """': 37 prompt (32 cached) + 12 generated tokens', or '' for a request
     that never reached an engine (token counting, model operations)."""
     if not (record.prompt_tokens or record.completion_tokens or record.engine_request_id):
         return ""
-    cached = f" ({record.cached_tokens} cached)" if record.cached_tokens else ""
+    cached = f" ({record.cached_tokens} cached{_tiers(record)})" if record.cached_tokens else ""
     reasoning = f" ({record.reasoning_tokens} reasoning)" if record.reasoning_tokens else ""
     plural = "" if record.completion_tokens == 1 else "s"
     return (f": {record.prompt_tokens} prompt{cached} + {record.completion_tokens} "

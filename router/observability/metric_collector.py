@@ -171,6 +171,14 @@ SERIES: tuple[Series, ...] = (
     Series("roundhouse:disk_kv_capacity_bytes", "gauge",
            "Bytes the disk tier may hold (0: off).",
            lambda v: v.live.disk_kv_capacity_bytes),
+    Series("roundhouse:partial_kv_hits_total", "counter",
+           "Admissions that reused the leading tokens of a cached page beyond their whole "
+           "pages (copied into a fresh page).",
+           lambda v: v.totals["partial_kv_hits_total"]),
+    Series("roundhouse:partial_kv_hit_tokens_total", "counter",
+           "Prompt tokens reused to the token from such pages (part of "
+           "prompt_tokens_cached_total).",
+           lambda v: v.totals["partial_kv_hit_tokens_total"]),
     Series("roundhouse:preemptions_total", "counter",
            "Running sequences preempted for lack of KV pages (recomputed later).",
            lambda v: v.totals["preemptions_total"]),

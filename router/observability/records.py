@@ -17,7 +17,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from aiohttp import web
+
+from protocol import CacheHits
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class RequestRecord:
     finished: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Of cached_tokens, how many each tier served: "device", "host", "disk"
+    # (whole pages) and "partial" (a page's leading tokens).
+    cached_by_tier: dict[str, int] = field(
+        default_factory=lambda: msgspec.structs.asdict(CacheHits()))
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     finish_reason: str | None = None
@@ -66,6 +73,10 @@ class RequestRecord:
         self.admitted = time.monotonic()
         if self.observers is not None:
             self.observers.request_admitted(self)
+
+    def report_cache_hits(self, hits: CacheHits) -> None:
+        """The engine said where the prompt's cached tokens came from."""
+        self.cached_by_tier = msgspec.structs.asdict(hits)
 
     def add_tokens(self, count: int) -> None:
         """An engine step gave this request `count` new tokens."""

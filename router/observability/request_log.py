@@ -206,6 +206,7 @@ class RequestLog:
             engine_request_id=record.engine_request_id,
             prompt_tokens=record.prompt_tokens,
             cached_tokens=record.cached_tokens,
+            cached_by_tier=record.cached_by_tier,
             completion_tokens=record.completion_tokens,
             reasoning_tokens=record.reasoning_tokens,
             finish_reason=record.finish_reason,

@@ -24,6 +24,7 @@ import torch
 
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.step_inputs import StepInputs, build_step_inputs
+from engine.kv.host_tier import KVTransfers
 from engine.sampling.token_mask import TokenMask
 from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
@@ -147,6 +148,15 @@ class FakeDevice:
 
     def forget(self, request_id: str) -> None:
         """The real runner drops a request's pooling state; the toy keeps none."""
+
+    def move_kv(self, transfers: KVTransfers) -> None:
+        """Pages reused to the token: their leading slots copied, as the
+        runner does before the step's forward pass (no host tier here)."""
+        assert not transfers.stores and not transfers.loads, "the toy has no host tier"
+        ps = self.page_size
+        for source, target, num_tokens in transfers.copies:
+            for offset in range(num_tokens):
+                self.kv[target * ps + offset] = self.kv[source * ps + offset]
 
     # ---- checks -------------------------------------------------------------
 

@@ -106,11 +106,12 @@ def test_prefix_cache_skips_full_pages_but_always_computes_the_last_token() -> N
     assert again.num_cached_tokens == 12
     assert [(c.start, c.num_tokens) for c in out.chunks] == [(12, 1)]
     sched.update(out, fake_tokens(out, rng))
-    # Exactly page-aligned: the last page is recomputed, not reused.
+    # Exactly page-aligned: the last page is not reused whole, but its
+    # tokens before the last are, to the token (engine/kv/partial_pages.py).
     aligned = seq("c", list(range(1, 13)), max_tokens=1)
     sched.add(aligned)
     sched.schedule()
-    assert aligned.num_cached_tokens == 8
+    assert aligned.num_cached_tokens == 11
 
 
 def test_pool_exhaustion_preempts_the_newest_and_everyone_finishes() -> None:

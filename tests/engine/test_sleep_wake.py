@@ -62,7 +62,9 @@ def test_wake_restores_pages_weights_and_outputs(tiny_qwen3_dir: Path, weights: 
     run(core, events, "warm", conversation)
     expected, cached_before = run(core, events, "again", conversation)
     run(core, events, "other", other)
-    assert cached_before == 32  # 4 full pages; the last prompt token is always computed
+    # All but the last prompt token, always computed: 4 full pages and the
+    # first 4 tokens of the fifth (reused to the token: engine/kv/partial_pages.py).
+    assert cached_before == 36
     pages = pool.cached_pages()
     kv_before = [(k[pages].clone(), v[pages].clone()) for k, v in runner.kv_caches]
     weights_before = {name: t.clone() for name, t in model_tensors(runner.model).items()}
@@ -129,7 +131,7 @@ def test_asleep_engine_refuses_requests_and_answers_repeats(tiny_qwen3_dir: Path
     core.handle(p.Wake())  # already awake
     assert [type(e) for e in events] == [p.Awake, p.Awake]
     assert events[1] == p.Awake(0.0)
-    assert run(core, events, "c", conversation) == (expected[0], 32)
+    assert run(core, events, "c", conversation) == (expected[0], 36)
 
 
 def test_sleep_while_requests_run_is_refused_loudly(tiny_qwen3_dir: Path) -> None:

@@ -28,7 +28,8 @@ CLI_NAMES = (
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
     "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling seed temp top-k top-p min-p model-suspend suspend-weights "
     "chat-template chat-template-file chat-template-kwargs reasoning-budget "
-    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank"
+    "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank "
+    "slot-save-path slots"
 ).split()
 
 
@@ -41,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
 def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
     expected = {f"--{name}" for name in CLI_NAMES} | {
-        "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "-h", "--help"}
+        "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "--no-slots",
+        "-h", "--help"}
     assert flags == expected
 
 

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from protocol import EngineStats, KvFacts, ModelFacts, Ready
+from protocol import CacheHits, EngineStats, KvFacts, ModelFacts, Ready
 from router.catalog import Catalog, CatalogEntry, build_catalog
 from router.config import ServeConfig
 from router.lifecycle.slot import ModelState
@@ -97,6 +97,7 @@ def generated(outcome: str = "ok", status: int = 200, **fields: Any) -> RequestR
     record = finished(outcome, status, **fields)
     record.engine_request_id = "chatcmpl-1"
     record.prompt_tokens, record.cached_tokens = 37, 32
+    record.report_cache_hits(CacheHits(device=16, host=8, partial=8))
     record.completion_tokens, record.reasoning_tokens = 12, 5
     record.first_token, record.last_token = record.arrived + 0.5, record.arrived + 1.25
     record.finish_reason = fields.get("finish_reason", "stop")
@@ -250,6 +251,7 @@ def test_every_event_type_matches_its_schema(tmp_path: Path) -> None:
     assert done["stages"] == {"queue": 0.25, "prefill": 0.25, "decode": 0.75, "total": 1.5}
     assert (done["prompt_tokens"], done["cached_tokens"], done["completion_tokens"],
             done["reasoning_tokens"]) == (37, 32, 12, 5)
+    assert done["cached_by_tier"] == {"device": 16, "host": 8, "disk": 0, "partial": 8}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", done["ts"])
 
 
@@ -311,7 +313,8 @@ def test_request_lines(caplog: pytest.LogCaptureFixture) -> None:
     failed.id = "req-4"
     lines.request_finished(failed)
     route = "POST /v1/chat/completions"
-    tokens = "37 prompt (32 cached) + 12 generated tokens (5 reasoning)"
+    tokens = ("37 prompt (32 cached: 16 device + 8 host + 8 partial) + 12 generated tokens "
+              "(5 reasoning)")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", f"request req-1 {route} model=qwen3 key=cli-1 started"),
         ("INFO", f"request req-1 {route} model=qwen3 key=cli-1 done 200 in 1.50s: {tokens}, stop"),

@@ -60,9 +60,17 @@ _STAGES = _closed({
     "total": {"type": ["number", "null"], "description": "arrival to the response's end"},
 })
 
+_TIERS = _closed({
+    "device": {**_COUNT, "description": "whole pages found on the device"},
+    "host": {**_COUNT, "description": "whole pages copied back from the host tier"},
+    "disk": {**_COUNT, "description": "whole pages read back from the disk tier"},
+    "partial": {**_COUNT, "description": "the leading tokens of one more page, reused to the token"},
+})
+
 _TOKENS = {
     "prompt_tokens": _COUNT,
     "cached_tokens": {**_COUNT, "description": "prompt tokens the prefix cache served"},
+    "cached_by_tier": {**_TIERS, "description": "cached_tokens by the tier that served them"},
     "completion_tokens": _COUNT,
     "reasoning_tokens": {**_COUNT, "description": "completion tokens inside <think>...</think>"},
 }
