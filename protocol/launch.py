@@ -8,6 +8,8 @@ import msgspec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What --pooling may say (unset: the model's own choice, engine/loader/pooling.py).
 POOLINGS = ("mean", "cls", "last")
+# What --spec may say: speculative decoding off, or n-gram (prompt lookup) drafts.
+SPEC_KINDS = ("none", "ngram")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -58,6 +60,15 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # How embedding requests pool (llama.cpp's --pooling): mean, cls or last;
     # None: the model's own sentence-transformers or GGUF setting, else last.
     pooling: str | None = None
+    # Speculative decoding (engine/sampling/drafter.py): "none" or "ngram"
+    # (prompt lookup: the continuation of the sequence's last n tokens found
+    # earlier in its own prompt and output, n from spec_ngram_max down to
+    # spec_ngram_min); up to draft_tokens guesses verified per step, for
+    # greedy rows only in this stage.
+    spec: str = "none"
+    draft_tokens: int = 4
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 3
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -93,6 +104,13 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.pooling is not None and self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)} (or unset), "
                              f"got {self.pooling!r}")
+        if self.spec not in SPEC_KINDS:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_KINDS)}, got {self.spec!r}")
+        if self.draft_tokens < 1:
+            raise ValueError(f"draft tokens must be at least 1, got {self.draft_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError("n-gram sizes must satisfy 1 <= spec-ngram-min <= spec-ngram-max, "
+                             f"got {self.spec_ngram_min} and {self.spec_ngram_max}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

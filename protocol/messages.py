@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -208,6 +208,11 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     embedding: bytes = b""
     # Set in the first output after the request's (first) admission.
     cache_hits: CacheHits | None = None
+    # Speculative decoding: draft tokens this step verified for the request,
+    # and how many of them are among token_ids (llama.cpp's draft_n and
+    # draft_n_accepted, summed over its outputs).
+    num_draft_tokens: int = 0
+    num_draft_accepted: int = 0
 
 
 class EngineStats(msgspec.Struct, **_STRUCT):
@@ -277,6 +282,10 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     # whole pages (engine/kv/partial_pages.py), and the tokens so reused.
     partial_kv_hits_total: int = 0
     partial_kv_hit_tokens_total: int = 0
+    # Speculative decoding (EngineOptions.spec): draft tokens verified, and
+    # those accepted (each a token gained over plain decoding).
+    draft_tokens_total: int = 0
+    draft_accepted_tokens_total: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step", **_STRUCT):

@@ -80,6 +80,9 @@ class Generation:
         self.prompt_tokens = len(spec.prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # Speculative decoding: draft tokens verified for it, and accepted.
+        self.draft_tokens = 0
+        self.draft_accepted = 0
         self.token_ids: list[int] = []
         # With SamplingParams.logprobs: those of the shown generated tokens;
         # with prompt_logprobs: those of the prompt tokens after the first.
@@ -203,6 +206,8 @@ class Generation:
             if ids:
                 record.add_tokens(len(ids))
         self.completion_tokens += len(ids)
+        self.draft_tokens += output.num_draft_tokens
+        self.draft_accepted += output.num_draft_accepted
         self.token_ids.extend(ids)
         visible = ids
         logprobs = output.logprobs
@@ -275,6 +280,9 @@ class Generation:
         predicted_ms = ((self._ended or now) - first) * 1000
         prompt_n = self.prompt_tokens - self.cached_tokens
         predicted_n = self.completion_tokens
+        # llama-server adds draft_n and draft_n_accepted only when it drafted.
+        drafts = ({"draft_n": self.draft_tokens, "draft_n_accepted": self.draft_accepted}
+                  if self.draft_tokens else {})
         return {
             "cache_n": self.cached_tokens,
             "prompt_n": prompt_n,
@@ -287,4 +295,5 @@ class Generation:
             # One token ends the prompt phase and has no generation time of its own.
             "predicted_per_second":
                 predicted_n * 1000 / predicted_ms if predicted_ms and predicted_n > 1 else 0.0,
+            **drafts,
         }

@@ -72,7 +72,7 @@ spec-draft-model md model-draft spec-type spec-ngram-mod-n-min spec-ngram-mod-n-
 spec-ngram-mod-n-match spec-ngram-simple-size-n spec-ngram-simple-size-m
 spec-ngram-simple-min-hits spec-ngram-map-k-size-n spec-ngram-map-k-size-m
 spec-ngram-map-k-min-hits spec-ngram-map-k4v-size-n spec-ngram-map-k4v-size-m
-spec-ngram-map-k4v-min-hits draft draft-n draft-max draft-min draft-n-min spec-ngram-size-n
+spec-ngram-map-k4v-min-hits draft draft-n draft-min draft-n-min spec-ngram-size-n
 spec-ngram-size-m spec-ngram-min-hits spec-default
 """
 

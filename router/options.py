@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import EngineOptions
-from protocol.launch import DTYPES
+from protocol.launch import DTYPES, SPEC_KINDS
 from router.settings import ModelSettings, SamplingOverrides
 from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from router.text.model_text import RENDERER_ARGUMENTS
@@ -299,6 +299,19 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "how /v1/embeddings and /embedding pool a prompt's hidden states: mean, cls "
                 "(first token) or last (last token)", "{mean,cls,last}",
                 default_text="the model's sentence-transformers or GGUF setting, else last"),
+    ModelOption("spec", choice(*SPEC_KINDS), "engine.spec",
+                "speculative decoding: none, or ngram (prompt lookup: drafts copied from "
+                "where the newest tokens appeared before in the request; greedy requests "
+                "only, output unchanged)", "{none,ngram}"),
+    ModelOption("draft-tokens", integer(1, 64), "engine.draft_tokens",
+                "with --spec: the most draft tokens verified per request per step", "K"),
+    ModelOption("draft-max", integer(1, 64), "engine.draft_tokens",
+                "llama.cpp's name for --draft-tokens", "K"),
+    ModelOption("spec-ngram-min", integer(1, 16), "engine.spec_ngram_min",
+                "with --spec ngram: the shortest run of newest tokens looked up", "N"),
+    ModelOption("spec-ngram-max", integer(1, 16), "engine.spec_ngram_max",
+                "with --spec ngram: the longest run of newest tokens looked up (tried first)",
+                "N"),
     ModelOption("seed", integer(-1, 2**64 - 1), "sampling.seed",
                 "seed of requests that bring none, so repeated requests reproduce "
                 "(-1: a random seed per request)", "N", default_text="-1"),

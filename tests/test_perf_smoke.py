@@ -25,6 +25,7 @@ PERF = ROOT / "tests" / "perf"
 CPU_SCRIPTS = {
     "bench_cpu.py": ["--threads", "2"],
     "bench_embeddings.py": [],
+    "bench_gpu_kv_tiers.py": [],
     "bench_gpu_scores.py": [],
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
@@ -32,7 +33,7 @@ CPU_SCRIPTS = {
     "bench_waiting_memory.py": [],
 }
 GPU_ONLY = [
-    "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
+    "agent_workload.py", "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
     "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
     "profile_mixed_step.py", "profile_throughput.py",

@@ -281,12 +281,14 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput) -> StepForward:
         """Launch the forward pass of a scheduled step; placeholder input ids
         (tokens still on the device) are read from the future-token buffer.
-        A step that scores prompt tokens or pools an embedding runs eagerly:
-        it needs the hidden states of those positions, which no graph keeps."""
+        A step that scores prompt tokens, pools an embedding or verifies
+        drafts runs eagerly: it needs the hidden states of those positions,
+        which no graph keeps (graphs for verify shapes are a later stage)."""
         inputs = build_step_inputs(out, self.page_size)
         embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
                      if chunk.seq.params.pooling is not None]
-        if not embedding and not any(chunk.scored for chunk in out.chunks):
+        if (not embedding and not inputs.draft_rows
+                and not any(chunk.scored for chunk in out.chunks)):
             return StepForward(inputs, self._logits(inputs))
         hidden = self._forward(inputs)
         pooled = self.pooler.pool(hidden, inputs, embedding) if embedding else None
@@ -307,7 +309,29 @@ class ModelRunner:
             rows = hidden if len(inputs.sample_rows) == inputs.num_tokens else \
                 hidden.index_select(0, self._rows(inputs.sample_rows))
             logits = self.model.compute_logits(rows)
-        return StepForward(inputs, logits, scores, pooled)
+        verified = None
+        if inputs.draft_rows:
+            # Only greedy rows draft: the target's token at a draft position
+            # is the argmax of its raw logits (engine/sampling/verify.py).
+            # Logits a lane's worth of rows at a time, as for prompt scores:
+            # what the step's memory was measured with.
+            draft_hidden = hidden.index_select(0, self._rows(inputs.draft_rows))
+            lane_rows = max(self.max_batch, 1)
+            verified = self._targets_to_host(torch.cat([
+                self.model.compute_logits(draft_hidden[first : first + lane_rows]).argmax(dim=-1)
+                for first in range(0, len(inputs.draft_rows), lane_rows)]))
+        return StepForward(inputs, logits, scores, pooled, verified)
+
+    def _targets_to_host(self, targets: torch.Tensor) -> SampledTokens:
+        """A verify step's target tokens on their way to the host, through a
+        buffer of their own (the sampled tokens' turns are for two steps)."""
+        if self.device.type != "cuda":
+            return SampledTokens(targets.tolist())
+        host = torch.empty(targets.numel(), dtype=torch.int64, pin_memory=True)
+        host.copy_(targets, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return SampledTokens(host, done)
 
     def forget(self, request_id: str) -> None:
         """A request ended: drop what the device side kept for it."""
@@ -408,6 +432,8 @@ class StepForward:
     scores: list[tuple[int, PromptScores]] = field(default_factory=list)
     # The embeddings of the requests whose prompt this step finished.
     pooled: PooledVectors | None = None
+    # The target's tokens at the step's draft positions (StepInputs.draft_rows).
+    verified: SampledTokens | None = None
 
 
 class SampledTokens:

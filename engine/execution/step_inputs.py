@@ -9,7 +9,7 @@ staging buffers, so each copy to the device is one asynchronous DMA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [B, max_pages]
     sample_rows: list[int]  # flat rows whose logits are sampled, in chunk order
     sample_seqs: list[Sequence]
+    # Flat rows of draft tokens (engine/sampling/verify.py), in chunk order:
+    # the target's argmax there verifies the draft. A chunk with a draft
+    # samples at its first row (its newest known token), not its last.
+    draft_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -76,9 +80,18 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
     input_ids: list[int] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
+    draft_rows: list[int] = []
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
         end = chunk.start + chunk.num_tokens
+        if chunk.draft:
+            first = int(query_start[row])
+            input_ids.append(seq.token_ids[chunk.start])
+            input_ids.extend(chunk.draft)
+            sample_rows.append(first)
+            sample_seqs.append(seq)
+            draft_rows.extend(range(first + 1, first + 1 + len(chunk.draft)))
+            continue
         if chunk.num_tokens == 1:
             input_ids.append(seq.token_ids[chunk.start])
         else:
@@ -100,6 +113,7 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
         block_tables=block_tables,
         sample_rows=sample_rows,
         sample_seqs=sample_seqs,
+        draft_rows=draft_rows,
     )
 
 

@@ -15,9 +15,10 @@ fails (a full disk: ENOSPC) drops the page, counted and logged once; serving
 goes on. Pages still resident in the host tier at shutdown are written too,
 most recently used first, for at most SHUTDOWN_WRITE_SECONDS.
 
-Reads: admission finds pages here after the device and the host tier, and
-reads them (read()), in order, into host slots, which then take the host
-tier's path to the device. The reads are synchronous, on the engine's loop
+Reads: admission finds pages here after the device and the host tier (in
+the index: nothing is read to decide whether a request fits), and once the
+request is admitted reads them (read()), in order, into host slots, which
+then take the host tier's path to the device. The reads are synchronous, on the engine's loop
 (known limit: one admission's restore delays that step by up to its
 deadline); the deadline (--disk-kv-restore-ms) is checked between pages, and
 the pages left over are computed instead. A file that is torn, truncated,
@@ -73,6 +74,8 @@ class SlotMemory(Protocol):
 class DiskCounters:
     """What the tier did since the engine started (EngineStats disk_kv_*)."""
 
+    # Pages (and their tokens) admissions read from here, counted by
+    # KVManager once per admission (not as the host tier's hits too).
     hit_pages: int = 0
     hit_tokens: int = 0
     # Admissions whose lookup stopped at a page no tier held (or could read).
@@ -338,10 +341,7 @@ class DiskTier:
             return None
         host.take(slot)
         self._touch(page_hash)
-        counters = self.counters
-        counters.hit_pages += 1
-        counters.hit_tokens += len(tokens)
-        counters.bytes_read += self.file_bytes
+        self.counters.bytes_read += self.file_bytes
         return slot
 
     def _touch(self, page_hash: bytes) -> None:

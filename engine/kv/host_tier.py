@@ -51,6 +51,8 @@ class KVTier(Protocol):
 class TierCounters:
     """What a tier did since the engine started (EngineStats host_kv_*)."""
 
+    # Pages (and their tokens) admissions took from this tier, counted by
+    # KVManager once per admission, as its num_cached_tokens is.
     hit_pages: int = 0
     hit_tokens: int = 0
     # Admissions whose lookup in this tier stopped at a page it does not hold.
@@ -116,16 +118,12 @@ class HostTier:
         self._slots.move_to_end(slot)
         self._pinned.add(slot)
 
-    def load(self, slot: int, page: int, *, from_disk: bool = False) -> None:
-        """Queue the copy of a slot found by find() into a device page (a
-        page the disk tier read into the slot counts as the disk's hit)."""
+    def load(self, slot: int, page: int) -> None:
+        """Queue the copy of a slot found by find() (or one the disk tier
+        read into) into a device page. Whose hit it is, KVManager counts."""
         self.take(slot)
         self.transfers.loads.append((slot, page))
-        counters = self.counters
-        if not from_disk:
-            counters.hit_pages += 1
-            counters.hit_tokens += self.page_size
-        counters.bytes_to_device += self.page_bytes
+        self.counters.bytes_to_device += self.page_bytes
 
     def store(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
         known = self._by_hash.get(page_hash)

@@ -14,8 +14,16 @@ before the next forward pass, the first that can read it).
 
 With a disk tier behind it (engine/kv/disk_tier.py), the pages the host tier
 evicts are written to files, and the lookup goes on into the disk after the
-host: admission reads each page found there into a host slot (synchronously,
-within the restore deadline) and from then on treats it as a host hit.
+host. Whether a request fits is decided from the disk's index alone, before
+anything is read: a request that cannot be admitted yet reads nothing and
+moves no host page however many steps it waits. Once it is admitted, each
+page found there is read into a host slot (synchronously, within the restore
+deadline) and copied on to the device as a host page is.
+
+Each admission's cached tokens are counted once, in the tier that served
+them (a page read from the disk is the disk's hit, not the host's too), and
+only where the scheduler counts num_cached_tokens (before a sequence's first
+token), so the tiers' hit tokens and the partial ones add up to it.
 
 Where the whole pages end, admission goes on to the token
 (engine/kv/partial_pages.py): a device page continuing the same chain whose
@@ -112,27 +120,25 @@ class KVManager:
         return found, False
 
     def try_admit(self, seq: Sequence) -> bool:
-        """Give seq pages for all its tokens and reserve its output window."""
+        """Give seq pages for all its tokens and reserve its output window.
+
+        Nothing is read from the disk tier unless seq fits (see _fits)."""
         prefix, stopped = self._cached_prefix(seq)
-        from_disk = any(entry.on_disk for entry in prefix)
-        if from_disk:
-            prefix, cut = self._read_from_disk(prefix)
-            stopped = stopped or cut
         hit = self._partial_hit(seq, prefix)
-        cached = [entry.page for entry in prefix if entry.page is not None]
         remaining_output = max(seq.params.max_tokens - seq.num_output_tokens, 0)
         target_tokens = min(
             seq.num_tokens + min(self.output_window, remaining_output), self.max_context
         )
         target_pages = max(self.pages_for(target_tokens), self.pages_for(seq.num_tokens))
-        # Cached pages nobody holds are counted in pool.num_free; taking them
-        # does not use up a free page for the new ones.
-        idle_hits = sum(1 for page in cached if self.pool.is_idle(page))
-        if hit is not None and self.pool.is_idle(hit.page):
-            idle_hits += 1  # pinned until its copy is queued
-        available = self.pool.num_free - idle_hits - self.outstanding
-        if target_pages - len(cached) > available:
+        if not self._fits(prefix, hit, target_pages):
             return False
+        from_disk = any(entry.on_disk for entry in prefix)
+        if from_disk:
+            prefix, cut = self._read_from_disk(prefix)
+            if cut:
+                stopped = True
+                hit = None  # it continued the pages past the cut
+        cached = [entry.page for entry in prefix if entry.page is not None]
         self.pool.acquire(cached)
         if hit is not None:
             self.pool.acquire([hit.page])
@@ -154,9 +160,8 @@ class KVManager:
             page = entry.page
             if page is None:
                 page = next(fresh)
-                host.load(entry.slot, page, from_disk=entry.on_disk)  # type: ignore[union-attr,arg-type]
-                if self.pool.register(page, entry.page_hash, entry.tokens):
-                    self.partial.add(parent, page, entry.tokens)
+                host.load(entry.slot, page)  # type: ignore[union-attr,arg-type]
+                self.register(page, parent, entry.page_hash, entry.tokens)
             table.append(page)
             parent = entry.page_hash
         table.extend(fresh)
@@ -168,11 +173,29 @@ class KVManager:
         seq.block_hashes = [entry.page_hash for entry in prefix]
         seq.num_computed_tokens = len(prefix) * self.page_size + partial
         if seq.num_output_tokens == 0:
-            # (Re)admitted before its first token: what it reused, by tier.
+            # (Re)admitted before its first token: what it reused, by tier,
+            # counted where the scheduler counts its num_cached_tokens.
             seq.cache_hits = self._hits_by_tier(prefix, partial)
+            self._count_hits(seq.cache_hits)
         seq.reserved_pages = target_pages
         self.outstanding += target_pages - len(seq.block_table)
         return True
+
+    def _fits(self, prefix: list[PrefixPage], hit: PartialHit | None, target_pages: int) -> bool:
+        """Whether target_pages fit beside the other sequences' reservations,
+        decided before any disk page is read. Only the device pages before
+        the prefix's first disk page count as reused: a disk page that cannot
+        be read cuts the prefix there and the pages after it are computed
+        into fresh ones (and reusing them after all needs fewer)."""
+        first_disk = next((i for i, entry in enumerate(prefix) if entry.on_disk), len(prefix))
+        reused = [entry.page for entry in prefix[:first_disk] if entry.page is not None]
+        # Cached pages nobody holds are counted in pool.num_free; taking them
+        # does not use up a free page for the new ones.
+        idle_hits = sum(1 for page in reused if self.pool.is_idle(page))
+        if hit is not None and self.pool.is_idle(hit.page):
+            idle_hits += 1  # pinned until its copy is queued
+        available = self.pool.num_free - idle_hits - self.outstanding
+        return target_pages - len(reused) <= available
 
     def _partial_hit(self, seq: Sequence, prefix: list[PrefixPage]) -> PartialHit | None:
         """A device page continuing the prefix's chain whose first tokens are
@@ -192,6 +215,20 @@ class KVManager:
         disk = sum(ps for entry in prefix if entry.on_disk)
         return CacheHits(device=device, host=len(prefix) * ps - device - disk, disk=disk,
                          partial=partial)
+
+    def _count_hits(self, hits: CacheHits) -> None:
+        """Add one admission's cached tokens to the counter of the tier that
+        served each (the device's share is the rest of num_cached_tokens)."""
+        ps = self.page_size
+        if self.host is not None:
+            self.host.counters.hit_pages += hits.host // ps
+            self.host.counters.hit_tokens += hits.host
+        if self.disk is not None:
+            self.disk.counters.hit_pages += hits.disk // ps
+            self.disk.counters.hit_tokens += hits.disk
+        if hits.partial:
+            self.partial.hits += 1
+            self.partial.hit_tokens += hits.partial
 
     def _read_from_disk(self, prefix: list[PrefixPage]) -> tuple[list[PrefixPage], bool]:
         """Read the prefix's pages found on disk into host slots, in order;
@@ -260,6 +297,20 @@ class KVManager:
         self.outstanding -= reserved
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Release seq's pages past those its tokens need: the tail that a
+        rejected draft grew into (its K/V is garbage past num_computed_tokens
+        and was never hashed). Book-keeping only; nothing is copied."""
+        keep = self.pages_for(seq.num_tokens)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return
+        unallocated_before = max(seq.reserved_pages - len(seq.block_table), 0)
+        del seq.block_table[keep:]
+        # Pages given back within the reservation are owed to seq again.
+        self.outstanding += max(seq.reserved_pages - keep, 0) - unallocated_before
+        self.pool.release(reversed(extra))
+
     def commit(self, seq: Sequence) -> None:
         """Register pages that the last step filled, for later prefix hits."""
         ps = self.page_size
@@ -269,10 +320,16 @@ class KVManager:
             parent = seq.block_hashes[-1] if index else ROOT_HASH
             tokens = seq.token_ids[index * ps : (index + 1) * ps]
             page_hash = hash_page(parent, tokens, self.fingerprint)
-            page = seq.block_table[index]
-            if seq.params.cache_prompt and self.pool.register(page, page_hash, tokens):
-                self.partial.add(parent, page, tokens)
+            if seq.params.cache_prompt:
+                self.register(seq.block_table[index], parent, page_hash, tokens)
             seq.block_hashes.append(page_hash)
+
+    def register(self, page: int, parent: bytes, page_hash: bytes, tokens: list[int]) -> None:
+        """Make a full page that holds tokens after the chain parent a prefix
+        cache entry, and reusable to the token (unless the hash is cached
+        already, in another page)."""
+        if self.pool.register(page, page_hash, tokens):
+            self.partial.add(parent, page, tokens)
 
     def free(self, seq: Sequence) -> None:
         self._keep_partial_page(seq)

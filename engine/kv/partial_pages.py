@@ -75,7 +75,8 @@ class PartialPages:
         # until the step is planned.
         self._copies: list[PageCopy] = []
         self.pinned: list[int] = []
-        # Admissions that took a partial hit, and the tokens they reused.
+        # Admissions that took a partial hit, and the tokens they reused
+        # (counted by KVManager where it counts the other tiers' hits).
         self.hits = 0
         self.hit_tokens = 0
 
@@ -121,8 +122,6 @@ class PartialPages:
         """Queue the copy of a hit into a fresh page (its source pinned by the caller)."""
         self._copies.append(PageCopy(hit.page, target, hit.num_tokens))
         self.pinned.append(hit.page)
-        self.hits += 1
-        self.hit_tokens += hit.num_tokens
 
     def take(self) -> list[PageCopy]:
         """The copies queued since the last call."""

@@ -23,6 +23,7 @@ from engine.kv.kv_manager import KVManager
 from engine.kv.kv_sizing import HostKvPlan, KvPlan, plan_host_kv, plan_kv
 from engine.loader import LoadedModel, load_model
 from engine.loader.pooling import choose_pooling
+from engine.sampling.drafter import NgramDrafter
 from engine.sampling.sampler import Sampler
 from engine.scheduling.core import EngineCore
 from engine.scheduling.scheduler import Scheduler
@@ -163,7 +164,13 @@ def assemble_engine(
         max_concurrency=config.max_concurrency,
         max_batched_tokens=config.max_batched_tokens,
         max_context=plan.max_context,
+        drafter=(NgramDrafter(config.spec_ngram_min, config.spec_ngram_max)
+                 if config.spec == "ngram" else None),
+        draft_tokens=config.draft_tokens,
     )
+    if config.spec != "none":
+        log.info("speculative decoding: %s, up to %d draft tokens per step, n-grams %d..%d",
+                 config.spec, config.draft_tokens, config.spec_ngram_min, config.spec_ngram_max)
     core = EngineCore(runner, scheduler, sampler, vocab_size=model.vocab_size, emit=emit)
     pooling, why = choose_pooling(config.pooling, loaded.pooling)
     log.info("embeddings: %s pooling (%s), %d dimensions", pooling, why, model.hidden_size)

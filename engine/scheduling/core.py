@@ -36,6 +36,14 @@ its vector.
 Requests with a grammar get an xgrammar matcher when they arrive (the grammar
 is compiled then); every step masks their logits and advances their matchers
 (engine/sampling/grammar.py).
+
+Speculative decoding (Scheduler.drafter, off by default): a greedy decode row
+may draft only with all its tokens on the host, and its accepted tokens must
+be known before anything more is scheduled for it. So while any running
+decode row may draft, each turn completes the step in flight before it
+schedules: the loop runs synchronously (no overlap on a GPU; none is lost on
+the CPU). A verify step's drafts are checked when it completes
+(engine/sampling/verify.py) and a row's output carries all its accepted tokens.
 """
 
 from __future__ import annotations
@@ -106,6 +114,8 @@ class InFlight:
     scores: list[tuple[ScheduledChunk, PromptScores]] = field(default_factory=list)
     # Embeddings of the requests whose prompt it finished.
     pooled: PooledVectors | None = None
+    # The target's tokens at its draft positions (StepForward.verified).
+    verified: SampledTokens | None = None
 
 
 def _take_cache_hits(seq: Sequence) -> CacheHits | None:
@@ -358,6 +368,9 @@ class EngineCore:
     def step(self) -> None:
         """One turn of the pipeline: launch the next step, complete the one
         before it (see the module's docstring)."""
+        if self._in_flight is not None and self.scheduler.wants_drafts():
+            # A row can draft only once the step in flight is on the host.
+            self._drain()
         out = self.scheduler.schedule()
         # Pages the scheduling moved between the device and the host tier:
         # copied before this step's forward pass reads or overwrites them.
@@ -422,7 +435,9 @@ class EngineCore:
                   forward: StepForward, launched_at: float) -> InFlight:
         # Decode rows compute the newest token of a sequence that already has
         # output; the rest of the batch is prompt (or recomputed) tokens.
-        decode_tokens = sum(1 for chunk in out.chunks if chunk.samples and chunk.num_tokens == 1
+        # (A verify chunk is a decode row with its draft.)
+        decode_tokens = sum(chunk.num_tokens for chunk in out.chunks if chunk.samples
+                            and chunk.num_tokens == 1 + len(chunk.draft)
                             and chunk.token_index > chunk.seq.num_prompt_tokens)
         # Chunks of a prompt, up to the one that samples its first token; a
         # sequence recomputed after a preemption reported its prompt already.
@@ -432,7 +447,7 @@ class EngineCore:
                           else chunk.seq.num_output_tokens == 0)]
         scores = [(out.chunks[index], chunk_scores) for index, chunk_scores in forward.scores]
         return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
-                        launched_at, scores, pooled=forward.pooled)
+                        launched_at, scores, pooled=forward.pooled, verified=forward.verified)
 
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""
@@ -445,7 +460,8 @@ class EngineCore:
         live = [(chunk.seq, token) for chunk, token in zip(sampling, sampled, strict=True)
                 if id(chunk.seq) not in gone]
         verdict = self.grammar.accept([seq for seq, _ in live], [token for _, token in live])
-        changed = self.scheduler.complete(out, sampled, verdict.completed)
+        verified = flight.verified.tolist() if flight.verified is not None else []
+        changed = self.scheduler.complete(out, sampled, verdict.completed, verified)
         # Progress first, so a prompt's last report (all of it processed)
         # arrives before its first token.
         # (A sequence preempted since launch reports again when recomputed.)
@@ -468,8 +484,16 @@ class EngineCore:
                 self._forget(seq.request_id)
                 continue
             row_logprobs = logprobs_of.get(id(chunk))
-            self._pending.append(self._output(seq, [seq.token_ids[chunk.token_index]],
-                                              [row_logprobs] if row_logprobs else []))
+            end = chunk.token_index + 1 + chunk.accepted
+            output = self._output(seq, seq.token_ids[chunk.token_index:end],
+                                  [row_logprobs] if row_logprobs else [])
+            if chunk.draft:
+                output.num_draft_tokens = len(chunk.draft)
+                output.num_draft_accepted = chunk.accepted
+                self._stats.draft_tokens_total += len(chunk.draft)
+                self._stats.draft_accepted_tokens_total += chunk.accepted
+                self._stats.generated_tokens_total += chunk.accepted
+            self._pending.append(output)
             if seq.finish_reason is not None:
                 self._forget(seq.request_id)
         for request_id, message in verdict.rejected.items():

@@ -40,6 +40,8 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
+from engine.sampling.drafter import Drafter, may_draft
+from engine.sampling.verify import accept_greedy
 from engine.scheduling.lanes import Lanes
 from engine.scheduling.sequence import SeqStatus, Sequence
 
@@ -57,6 +59,11 @@ class ScheduledChunk:
     # Prompt positions [first, last) whose next token's log probabilities this
     # step computes (SamplingParams.prompt_logprobs), or None.
     scored: tuple[int, int] | None = None
+    # Tokens guessed after the newest known one (engine/sampling/drafter.py):
+    # the chunk computes them too, and complete() keeps those the target
+    # agrees with; `accepted` counts them once it has.
+    draft: list[int] = field(default_factory=list)
+    accepted: int = 0
 
     def __post_init__(self) -> None:
         if self.samples is None:
@@ -86,8 +93,14 @@ class Scheduler:
         max_concurrency: int,
         max_batched_tokens: int,
         max_context: int,
+        drafter: Drafter | None = None,
+        draft_tokens: int = 0,
     ):
         self.kv = kv
+        # Speculative decoding (off: None): greedy decode rows whose tokens
+        # are all on the host get up to draft_tokens guesses verified per step.
+        self.drafter = drafter if draft_tokens > 0 else None
+        self.draft_tokens = draft_tokens
         self.max_concurrency = max_concurrency
         self.max_batched_tokens = max_batched_tokens
         self.max_context = max_context
@@ -110,6 +123,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def wants_drafts(self) -> bool:
+        """Whether a running decode row may draft in the next step: it can
+        only once every token of it is on the host, so the engine completes
+        the step in flight before scheduling (engine/scheduling/core.py)."""
+        return self.drafter is not None and any(
+            not seq.is_prefilling and may_draft(seq.params) for seq in self.running)
 
     @property
     def num_prefilling(self) -> int:
@@ -151,6 +171,8 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
             budget -= 1
+        if self.drafter is not None:
+            budget = self._add_drafts(out, budget)
 
         for seq in self.running:
             if budget <= 0:
@@ -201,6 +223,29 @@ class Scheduler:
         self.kv.unpin_copy_sources()
         return out
 
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the step's decode rows that may draft their guesses, within
+        the token budget left after every decode row got its token and within
+        the pages the pool can give without preempting; returns the budget
+        left. A draft never runs past max_tokens or the context: all of it
+        and the free token after it must fit."""
+        assert self.drafter is not None
+        for chunk in out.chunks:
+            if budget <= 0:
+                break
+            seq = chunk.seq
+            if not may_draft(seq.params) or seq.has_pending_token:
+                continue
+            limit = min(self.draft_tokens, budget,
+                        seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_context - seq.num_tokens - 1)
+            draft = self.drafter.propose(seq.token_ids, limit) if limit > 0 else []
+            if draft and self.kv.try_grow(seq, chunk.start + 1 + len(draft)):
+                chunk.draft = draft
+                chunk.num_tokens += len(draft)
+                budget -= len(draft)
+        return budget
+
     def _ends_by_length(self, seq: Sequence) -> bool:
         """seq's tokens so far (a pending one included) reach max_tokens or the context."""
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_context
@@ -244,7 +289,8 @@ class Scheduler:
             row += 1
 
     def complete(self, out: SchedulerOutput, sampled: list[int],
-                 completed: Container[str] = ()) -> list[ScheduledChunk]:
+                 completed: Container[str] = (), verified: Iterable[int] = ()
+                 ) -> list[ScheduledChunk]:
         """Apply a step whose tokens are known: each sampled token replaces its
         placeholder, full pages go to the prefix cache, and sequences finish;
         `completed` names requests whose grammar is complete, which stop
@@ -252,16 +298,25 @@ class Scheduler:
         aborted) since this step was scheduled are skipped. Returns the
         chunks whose sequence got a token (at seq.token_ids[chunk.token_index]),
         or finished without one (a prompt scored with max_tokens 0: token_index
-        -1)."""
+        -1). `verified` holds the target's tokens at the step's draft
+        positions, in chunk order (engine/sampling/verify.py): a chunk with a
+        draft gets its accepted tokens after the sampled one
+        (seq.token_ids[chunk.token_index : chunk.token_index + 1 +
+        chunk.accepted]), and its cache is cut back to them."""
         changed: list[ScheduledChunk] = []
         tokens = iter(sampled)
+        targets = iter(verified)
         for chunk in out.chunks:
             token = next(tokens) if chunk.samples else None
+            row_targets = [next(targets) for _ in chunk.draft]
             seq = chunk.seq
             if seq.status is SeqStatus.FINISHED:
                 continue
             if token is not None:
                 seq.token_ids[chunk.token_index] = token
+            reason = None
+            if chunk.draft and token is not None:
+                reason = self._accept_draft(chunk, token, row_targets)
             if seq.status is SeqStatus.RUNNING:
                 # Every token the cache holds is known now (the next step's
                 # input is this step's sample), so full pages can be hashed.
@@ -275,17 +330,40 @@ class Scheduler:
                     changed.append(chunk)
                 continue
             changed.append(chunk)
-            reason = ("stop" if seq.request_id in completed
-                      else self._finish_reason(seq, token, chunk.token_index + 1))
+            if not chunk.draft:
+                reason = ("stop" if seq.request_id in completed
+                          else self._finish_reason(seq, token, chunk.token_index + 1))
             if reason is not None:
                 # A step scheduled after this one may have given it a placeholder.
-                del seq.token_ids[chunk.token_index + 1:]
+                del seq.token_ids[chunk.token_index + 1 + chunk.accepted:]
                 if seq.status is SeqStatus.RUNNING:
                     self.running.remove(seq)
                 else:
                     self.waiting.remove(seq)  # preempted while this step ran
                 self._finish(seq, reason)
         return changed
+
+    def _accept_draft(self, chunk: ScheduledChunk, token: int, targets: list[int]) -> str | None:
+        """Append the draft tokens the target agrees with after token (the
+        chunk's sampled one), up to the first that ends the sequence, and cut
+        its computed tokens back to them. Returns why it ends, or None."""
+        seq = chunk.seq
+        # A row drafts only with every token on the host, and nothing is
+        # scheduled for it before this step completes: its placeholder is last.
+        assert chunk.token_index == seq.num_tokens - 1, "a drafted row got another placeholder"
+        reason = self._finish_reason(seq, token, seq.num_tokens)
+        for extra in accept_greedy(token, chunk.draft, targets)[1:]:
+            if reason is not None:
+                break
+            seq.token_ids.append(extra)
+            chunk.accepted += 1
+            reason = self._finish_reason(seq, extra, seq.num_tokens)
+        if seq.status is SeqStatus.RUNNING:
+            # The cache holds K/V for the chunk's first token and the accepted
+            # drafts; the rejected positions past them are written over later.
+            seq.num_computed_tokens = chunk.start + 1 + chunk.accepted
+            self.kv.trim(seq)
+        return reason
 
     def update(self, out: SchedulerOutput, sampled: list[int],
                completed: Container[str] = ()) -> list[ScheduledChunk]:

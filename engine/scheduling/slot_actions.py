@@ -9,8 +9,9 @@
 - restore: the file is read and checked whole first (checksum, model, KV
   format) and refused with a message before anything is allocated; then
   its pages become ordinary device prefix cache entries, so any request
-  whose prompt starts with those tokens reuses them, and the lane holds the
-  session's tokens (what a following save writes).
+  whose prompt starts with those tokens reuses them (to the token, too:
+  engine/kv/partial_pages.py), and the lane holds the session's tokens
+  (what a following save writes).
 - erase: the lane's pages leave the device prefix cache and the host tier
   (pages a running request still holds stay; the disk tier keeps its copies
   until they are evicted: contents are never wrong, only memory is freed).
@@ -149,7 +150,9 @@ class SlotActions:
         saved = read_slot_file(path, model_digest=self.model_digest, format_digest=self.kv_format,
                                page_size=kv.page_size, page_bytes=self.page_bytes)
         chain = self._chain(saved.token_ids)[: len(saved.pages)]
-        missing = [(entry, payload) for entry, payload in zip(chain, saved.pages, strict=True)
+        parents = [ROOT_HASH, *(page_hash for page_hash, _ in chain)][: len(chain)]
+        missing = [(parent, entry, payload)
+                   for parent, entry, payload in zip(parents, chain, saved.pages, strict=True)
                    if kv.pool.lookup(*entry) is None]
         if len(missing) > kv.pool.num_free - kv.outstanding:
             raise SlotFileError(f"{NO_SPACE} ({len(missing)} pages needed)")
@@ -157,9 +160,9 @@ class SlotActions:
         # The cached pages this evicted go to the host tier first: their copies
         # must run before the pages are overwritten.
         self.runner.move_kv(kv.take_transfers())
-        write_pages(self.runner.kv_caches, pages, [payload for _, payload in missing])
-        for page, ((page_hash, page_tokens), _) in zip(pages, missing, strict=True):
-            kv.pool.register(page, page_hash, page_tokens)
+        write_pages(self.runner.kv_caches, pages, [payload for _, _, payload in missing])
+        for page, (parent, (page_hash, page_tokens), _) in zip(pages, missing, strict=True):
+            kv.register(page, parent, page_hash, page_tokens)
         kv.pool.release(reversed(pages))
         self.scheduler.lanes.set_tokens(lane, saved.token_ids)
         return len(saved.token_ids), saved.num_bytes

@@ -179,6 +179,13 @@ SERIES: tuple[Series, ...] = (
            "Prompt tokens reused to the token from such pages (part of "
            "prompt_tokens_cached_total).",
            lambda v: v.totals["partial_kv_hit_tokens_total"]),
+    Series("roundhouse:draft_tokens_total", "counter",
+           "Draft tokens verified by speculative decoding (--spec).",
+           lambda v: v.totals["draft_tokens_total"]),
+    Series("roundhouse:draft_accepted_tokens_total", "counter",
+           "Draft tokens the model agreed with: tokens gained over plain decoding "
+           "(part of llamacpp:tokens_predicted_total).",
+           lambda v: v.totals["draft_accepted_tokens_total"]),
     Series("roundhouse:preemptions_total", "counter",
            "Running sequences preempted for lack of KV pages (recomputed later).",
            lambda v: v.totals["preemptions_total"]),

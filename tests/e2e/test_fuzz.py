@@ -66,6 +66,7 @@ ROUTES: dict[str, dict[str, Any]] = {
        for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
     "/v1/embeddings": {"model": MODEL, "input": ["hi", [1, 2]], "encoding_format": "float"},
     **{path: {"model": MODEL, "content": "hi"} for path in ("/embedding", "/embeddings")},
+    "/slots/{id_slot}": {"filename": "fuzz.bin"},
 }
 
 # 5xx answers that are a route's normal answer, not a failure: llama.cpp
@@ -74,7 +75,7 @@ EXPECTED_5XX = {"/props": {501}}
 
 
 def url(route: str) -> str:
-    return route.replace("{response_id}", "resp_fuzz")
+    return route.replace("{response_id}", "resp_fuzz").replace("{id_slot}", "0?action=erase")
 
 
 def api_of(route: str) -> Api:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.execution.future_tokens import FutureTokens
+from engine.execution.model_runner import SampledTokens
 from engine.execution.step_inputs import StepInputs, build_step_inputs
 from engine.kv.host_tier import KVTransfers
 from engine.sampling.token_mask import TokenMask
@@ -46,6 +47,7 @@ class FakeForward:
     launch: int
     scores: list[object] = field(default_factory=list)  # no prompt scoring here
     pooled: object = None  # nor embeddings
+    verified: SampledTokens | None = None  # the model's token at each draft row
 
 
 @dataclass
@@ -81,6 +83,7 @@ class FakeDevice:
         self.half_owner: dict[int, int] = {}  # first slot of a half -> launch writing it
         # ("sample", launch, rows) and ("take", launch, ()) in the order they happened.
         self.events: list[tuple[str, int, tuple[int, ...]]] = []
+        self.verify_launches: list[int] = []  # launches that verified drafts
 
     # ---- EngineCore's calls -------------------------------------------------
 
@@ -97,15 +100,25 @@ class FakeDevice:
                 ids[i] = int(self.future.buffer[slot])
         for token, slot in zip(ids.tolist(), inputs.slot_mapping.tolist(), strict=True):
             self.kv[slot] = token
-        rows = []
-        for row, seq_row in zip(inputs.sample_rows, self._rows_of(inputs), strict=True):
-            length = int(inputs.seq_lens[seq_row])
-            table = inputs.block_tables[seq_row]
-            context = [self.kv[int(table[pos // self.page_size]) * self.page_size
-                              + pos % self.page_size] for pos in range(length)]
-            rows.append(next_token(context))
-            del row
-        return FakeForward(inputs, rows if inputs.sample_rows else None, self.launches)
+        rows = [self._model_token(inputs, row, seq_row) for row, seq_row in
+                zip(inputs.sample_rows, self._rows_of(inputs, inputs.sample_rows), strict=True)]
+        verified = None
+        if inputs.draft_rows:
+            self.verify_launches.append(self.launches)
+            verified = SampledTokens([
+                self._model_token(inputs, row, seq_row) for row, seq_row in
+                zip(inputs.draft_rows, self._rows_of(inputs, inputs.draft_rows), strict=True)])
+        return FakeForward(inputs, rows if inputs.sample_rows else None, self.launches,
+                           verified=verified)
+
+    def _model_token(self, inputs: StepInputs, row: int, seq_row: int) -> int:
+        """The toy model's token after flat row `row`: its context is every
+        position up to that row's, as the sequence's pages hold it."""
+        table = inputs.block_tables[seq_row]
+        length = int(inputs.positions[row]) + 1
+        context = [self.kv[int(table[pos // self.page_size]) * self.page_size
+                          + pos % self.page_size] for pos in range(length)]
+        return next_token(context)
 
     def sample(self, forward: FakeForward, first_slot: int, mask: TokenMask | None = None,
                rows: list[int] | None = None) -> FakeTokens:
@@ -170,7 +183,7 @@ class FakeDevice:
         self.events.append(("take", launch, ()))
 
     @staticmethod
-    def _rows_of(inputs: StepInputs) -> list[int]:
-        """The sequence row of each sampling row."""
+    def _rows_of(inputs: StepInputs, rows: list[int]) -> list[int]:
+        """The sequence row of each of the flat rows."""
         ends = np.asarray(inputs.query_start_loc[1:]) - 1
-        return [int(np.searchsorted(ends, row)) for row in inputs.sample_rows]
+        return [int(np.searchsorted(ends, row)) for row in rows]

@@ -23,9 +23,11 @@ from engine.kv.kv_sizing import HostKvPlan
 from engine.process import bootstrap
 from engine.scheduling.core import EngineCore
 from tests.engine import in_process
+from tests.engine.in_process import step_outputs
 from tests.engine.test_host_kv_tier import (
     PAGE,
     SMALL_POOL,
+    greedy,
     on_device,
     page_hashes,
     prompt,
@@ -116,6 +118,54 @@ def test_a_prefix_restored_from_disk_gives_the_tokens_computed_from_scratch(
     assert stats.disk_kv_pages_cached == tier.num_cached
     assert stats.disk_kv_capacity_bytes == 2**20
     core.scheduler.check_invariants()
+    tier.close()
+
+
+def test_a_request_waiting_for_room_reads_its_disk_pages_once_when_admitted(
+        tiny_qwen3_dir: Path, tmp_path: Path, expected: dict[int, list[int]]) -> None:
+    """While a long request holds most of the pool, a prompt whose pages are
+    on disk waits: its admission is refused at every step without reading a
+    page or moving one in the host tier; admitted, it reads each page once,
+    counted in the disk tier alone, and gives the tokens computed from scratch."""
+    core, events = make_engine(tiny_qwen3_dir, tmp_path)
+    tier, host = disk(core), core.scheduler.kv.host
+    assert host is not None
+    conversation = prompt(1)
+    run(core, events, "first", conversation)
+    push_to_disk(core, events, conversation)
+    # 97 prompt tokens and 6 more fill 13 of the 16 pages (14 reserved), and
+    # its decode needs no new page, so it evicts nothing while the other waits.
+    events.clear()
+    core.handle(p.Generate("blocker", prompt(7, 97), greedy(6)))
+    scheduler = core.scheduler
+    while not scheduler.running or scheduler.running[0].is_prefilling:
+        core.step()
+    read, evicted = tier.counters.bytes_read, host.counters.evicted_pages
+    before = core._stats
+    disk_hits, host_hits, cached = (before.disk_kv_hit_tokens_total,
+                                    before.host_kv_hit_tokens_total, before.cached_tokens_total)
+    core.handle(p.Generate("again", conversation, greedy()))
+    waited = 0
+    while True:
+        core.step()
+        scheduler.check_invariants()
+        if not any(seq.request_id == "again" for seq in scheduler.waiting):
+            break
+        waited += 1
+        assert tier.counters.bytes_read == read and host.counters.evicted_pages == evicted
+    assert waited >= 3
+    while core.has_work:
+        core.step()
+        scheduler.check_invariants()
+    outputs = [o for o in step_outputs(events) if o.request_id == "again"]
+    assert [t for o in outputs for t in o.token_ids] == expected[1]
+    assert outputs[-1].num_cached_tokens == 6 * PAGE
+    assert [o.cache_hits for o in outputs if o.cache_hits] == [p.CacheHits(disk=6 * PAGE)]
+    assert tier.counters.bytes_read - read == 6 * tier.file_bytes
+    stats = core._stats
+    assert stats.disk_kv_hit_tokens_total - disk_hits == 6 * PAGE
+    assert stats.host_kv_hit_tokens_total == host_hits
+    assert stats.cached_tokens_total - cached == 6 * PAGE
     tier.close()
 
 

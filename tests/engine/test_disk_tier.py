@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from engine.kv.block_hash import ROOT_HASH, hash_page
+from engine.kv.block_pool import BlockPool
 from engine.kv.disk_pages import PageRead, page_header, read_page
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier
+from engine.kv.kv_manager import KVManager
+from engine.scheduling.sequence import Sequence
+from protocol import CacheHits, SamplingParams
 
 PAGE = 2
 PAGE_BYTES = 64
@@ -144,3 +149,74 @@ def test_a_host_page_whose_copy_is_still_queued_is_not_offered_to_the_disk() -> 
     assert offered == [] and tier.take_transfers().stores == [(1, 0)]
     tier.offload(page=2, page_hash=h(2), tokens=tokens(2))  # the next step
     assert offered == [h(1)]
+
+
+def _chain_hashes(kv: KVManager, token_ids: list[int]) -> list[bytes]:
+    parent, hashes = ROOT_HASH, []
+    for index in range(len(token_ids) // PAGE):
+        parent = hash_page(parent, token_ids[index * PAGE : (index + 1) * PAGE], kv.fingerprint)
+        hashes.append(parent)
+    return hashes
+
+
+def _computed(kv: KVManager, seq: Sequence, num_tokens: int) -> None:
+    """seq admitted and its first num_tokens computed, then ended."""
+    assert kv.try_admit(seq)
+    seq.num_computed_tokens = num_tokens
+    kv.commit(seq)
+    kv.free(seq)
+
+
+def test_a_waiting_request_reads_nothing_and_each_admission_counts_a_page_in_one_tier(
+        tmp_path: Path) -> None:
+    """A prompt whose pages are spread over the device, the host tier and the
+    disk: while the pool has no room for it, admission reads no disk page
+    and moves no host page; once admitted, it reads the disk page once and
+    each tier's hit tokens add up to the tokens served from the cache (the
+    disk page, copied on through a host slot, is the disk's alone)."""
+    slots = Slots(3)
+    host = HostTier(3, page_size=PAGE, page_bytes=PAGE_BYTES)
+    disk = make_tier(tmp_path, 8, slots)
+    pool = BlockPool(5, page_size=PAGE)
+    kv = KVManager(pool, b"f" * 16, output_window=0, max_context=32, host=host, disk=disk)
+    conversation = list(range(1, 10))  # four full pages before its last token
+    _computed(kv, Sequence("first", conversation, SamplingParams(max_tokens=1)), 8)
+    # A prompt sharing the first page leaves its own page more recently used
+    # than the conversation's second to fourth; evicting four pages leaves
+    # page 1 on the device, pages 2 and 3 in the host tier, page 4 on disk.
+    _computed(kv, Sequence("x", [1, 2, 60, 61, 62], SamplingParams(max_tokens=1)), 4)
+    host.take_transfers()
+    _computed(kv, Sequence("y", list(range(70, 77)), SamplingParams(max_tokens=1)), 0)
+    host.take_transfers()
+    assert disk.flush(10)
+    p1, p2, p3, p4 = _chain_hashes(kv, conversation[:8])
+    assert pool.lookup(p1, conversation[:2]) is not None
+    assert host.find(p2, conversation[2:4]) is not None
+    assert host.find(p3, conversation[4:6]) is not None
+    assert disk.find(p4) and host.find(p4, conversation[6:8]) is None
+
+    blocker = Sequence("blocker", [80, 81, 82], SamplingParams(max_tokens=1))
+    assert kv.try_admit(blocker)
+    host.take_transfers()
+    evicted = host.counters.evicted_pages
+    again = Sequence("again", conversation, SamplingParams(max_tokens=1))
+    for _ in range(3):
+        assert not kv.try_admit(again)
+        host.take_transfers()
+    assert disk.counters.bytes_read == 0 and host.counters.evicted_pages == evicted
+    assert disk.counters.hit_pages == host.counters.hit_pages == 0
+    kv.check_invariants([blocker])
+
+    kv.free(blocker)
+    assert kv.try_admit(again)
+    assert disk.counters.bytes_read == disk.file_bytes  # the one disk page, once
+    assert again.cache_hits == CacheHits(device=2, host=4, disk=2)
+    served = again.num_computed_tokens
+    hits = again.cache_hits
+    assert hits.device + hits.host + hits.disk + hits.partial == served == 8
+    assert (host.counters.hit_pages, host.counters.hit_tokens) == (2, 4)
+    assert (disk.counters.hit_pages, disk.counters.hit_tokens) == (1, 2)
+    assert kv.partial.hit_tokens == 0
+    assert len(host.take_transfers().loads) == 3  # host and disk pages to the device
+    kv.check_invariants([again])
+    disk.close()

@@ -135,7 +135,8 @@ def test_a_batch_shares_one_cached_partial_page(tiny_qwen3_dir: Path) -> None:
     assert core.scheduler.kv.partial.hits == 3
 
 
-def test_a_preempted_sequence_is_readmitted_with_its_partial_page(tiny_qwen3_dir: Path) -> None:
+def test_a_preempted_sequence_is_readmitted_with_its_partial_page(
+        tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequence preempted mid-decode (its newest token still in flight)
     leaves its partial last page in the cache, and its recompute starts
     from there: no token of that page is computed again, and every token
@@ -153,17 +154,22 @@ def test_a_preempted_sequence_is_readmitted_with_its_partial_page(tiny_qwen3_dir
     computed = seq.num_computed_tokens
     scheduler._preempt(seq, SchedulerOutput())
     prefill_before = core._stats.prefill_tokens_total
+    kv = scheduler.kv
+    copied: list[int] = []
+    queue_copy = kv.partial.copy
+    monkeypatch.setattr(kv.partial, "copy", lambda hit, target: (
+        copied.append(hit.num_tokens), queue_copy(hit, target)))
     while core.has_work:
         core.step()
         scheduler.check_invariants()
     got = Result([o for o in step_outputs(events) if o.request_id == "victim"])
     assert got.tokens == scratch(tiny_qwen3_dir, tokens, params)
-    kv = scheduler.kv
-    assert kv.partial.hits == 1
     # The full page and every token the partial one held were reused.
-    assert kv.partial.hit_tokens == computed - PAGE
+    assert copied == [computed - PAGE]
     assert core._stats.prefill_tokens_total - prefill_before <= 2
     assert got.hits == p.CacheHits()  # reported once, at its first admission
+    # ... and counted once: a recompute's hits are not cached prompt tokens.
+    assert kv.partial.hits == 0 and core._stats.cached_tokens_total == 0
 
 
 def test_cache_prompt_false_takes_no_hits_and_leaves_nothing_cached(

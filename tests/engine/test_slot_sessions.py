@@ -78,14 +78,45 @@ def test_a_restored_slot_gives_the_tokens_computed_from_scratch_also_after_a_res
     assert restored.error == "" and restored.num_tokens == saved.num_tokens
     assert slot_action(core, events, "list").lanes[0].token_ids == conversation + first
     again, cached = generate(core, events, "turn-2", follow_up)
-    assert again == expected and cached == 48
+    # Six whole pages, and the two prompt tokens of the seventh (to the token).
+    assert again == expected and cached == 50
 
     # A restart: a new engine of the same model finds the session in the file.
     fresh, fresh_events = make_engine(tiny_qwen3_dir)
     assert slot_action(fresh, fresh_events, "restore", 1, tmp_path / "chat.bin").error == ""
     after_restart, cached = generate(fresh, fresh_events, "turn-2", follow_up)
-    assert after_restart == expected and cached == 48
+    assert after_restart == expected and cached == 50
     fresh.scheduler.check_invariants()
+
+
+def test_a_restored_slot_is_reused_to_the_token(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """A prompt sharing the first half of a restored session's last full page
+    reuses those tokens too (a partial hit), exactly."""
+    session = prompt(1)
+    core, events = make_engine(tiny_qwen3_dir)
+    first, _ = generate(core, events, "turn-1", session, id_slot=0)
+    assert slot_action(core, events, "save", 0, tmp_path / "chat.bin").error == ""
+    slot_action(core, events, "erase", 0)
+    assert slot_action(core, events, "restore", 1, tmp_path / "chat.bin").error == ""
+    # 57 tokens computed: 7 full pages restored; the prompt shares 4 tokens
+    # of the seventh, tokens 48..51.
+    branch = (session + first)[:52] + prompt(3, 10)
+    plain, plain_events = make_engine(tiny_qwen3_dir)
+    expected, _ = generate(plain, plain_events, "scratch", branch)
+    got, cached = generate(core, events, "branch", branch)
+    assert got == expected and cached == 52
+    hits = [o.cache_hits for o in step_outputs(events) if o.cache_hits is not None]
+    assert hits == [p.CacheHits(device=48, partial=4)]
+    core.scheduler.check_invariants()
+
+
+def test_an_empty_session_saves_and_restores(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    core, events = make_engine(tiny_qwen3_dir)
+    saved = slot_action(core, events, "save", 0, tmp_path / "empty.bin")
+    assert saved.error == "" and saved.num_tokens == 0
+    restored = slot_action(core, events, "restore", 1, tmp_path / "empty.bin")
+    assert restored.error == "" and restored.num_tokens == 0
+    core.scheduler.check_invariants()
 
 
 def _pool_state(core: EngineCore) -> tuple[int, int]:

@@ -31,3 +31,12 @@ def test_several_tokens_have_their_rate() -> None:
     timings = generation(5, first=10.2, ended=10.3).timings()
     assert abs(timings["predicted_per_second"] - 50.0) < 1e-6
     assert abs(timings["predicted_ms"] - 100.0) < 1e-6
+
+
+def test_draft_counts_appear_only_when_the_request_drafted() -> None:
+    plain = generation(5, first=10.2, ended=10.3).timings()
+    assert "draft_n" not in plain and "draft_n_accepted" not in plain
+    run = generation(5, first=10.2, ended=10.3)
+    run.draft_tokens, run.draft_accepted = 8, 3
+    timings = run.timings()
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (8, 3)

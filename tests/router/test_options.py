@@ -26,7 +26,8 @@ from router.settings import ModelSettings, SamplingOverrides
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
-    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling seed temp top-k top-p min-p model-suspend suspend-weights "
+    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling spec draft-tokens "
+    "draft-max spec-ngram-min spec-ngram-max seed temp top-k top-p min-p model-suspend suspend-weights "
     "chat-template chat-template-file chat-template-kwargs reasoning-budget "
     "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank "
     "slot-save-path slots"
@@ -314,3 +315,23 @@ def test_the_disk_tier_options_reach_the_engine_and_bad_combinations_are_refused
             parser().parse_args(argv)
     with pytest.raises(ValueError, match="restore deadline at least 1 ms"):
         EngineOptions(disk_kv_restore_ms=0)
+
+
+def test_speculation_options_reach_the_engine_off_by_default() -> None:
+    engine = ModelSettings().engine
+    assert (engine.spec, engine.draft_tokens, engine.spec_ngram_min, engine.spec_ngram_max) == (
+        "none", 4, 1, 3)
+    given = given_options(parser().parse_args(
+        ["--spec", "ngram", "--draft-tokens", "6", "--spec-ngram-min", "2",
+         "--spec-ngram-max", "4"]))
+    engine = resolve_settings([given]).engine
+    assert (engine.spec, engine.draft_tokens, engine.spec_ngram_min, engine.spec_ngram_max) == (
+        "ngram", 6, 2, 4)
+    # llama.cpp's name for the draft length, as a preset brought over writes it.
+    assert resolve_settings([{"spec": "ngram", "draft-max": 8}]).engine.draft_tokens == 8
+    for argv, message in ((["--spec", "eagle"], "must be one of none, ngram"),
+                          (["--draft-tokens", "0"], r"must be in 1\.\.64, got 0")):
+        with pytest.raises(argparse.ArgumentError, match=message):
+            parser().parse_args(argv)
+    with pytest.raises(ValueError, match="1 <= spec-ngram-min <= spec-ngram-max"):
+        resolve_settings([{"spec-ngram-min": 4, "spec-ngram-max": 2}])

@@ -23,7 +23,8 @@ class FakeClient:
         self.streams: dict[str, RequestStream] = {}
         self.aborted: list[str] = []
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               id_slot: int = -1) -> RequestStream:
         stream = self.streams[request_id] = RequestStream(self, request_id)  # type: ignore[arg-type]
         return stream
 

@@ -164,7 +164,8 @@ class FakeClient:
         self.submitted: list[tuple[str, list[int], object]] = []
         self.aborted: list[str] = []
 
-    def submit(self, request_id: str, prompt: list[int], params: object) -> FakeStream:
+    def submit(self, request_id: str, prompt: list[int], params: object,
+               id_slot: int = -1) -> FakeStream:
         self.submitted.append((request_id, prompt, params))
         return FakeStream(self, request_id, prompt)
 

@@ -53,6 +53,8 @@ from protocol import (
     Shutdown,
     Sleep,
     Slept,
+    SlotCommand,
+    SlotReply,
     StepOutputs,
     Wake,
     command_decoder,
@@ -157,6 +159,10 @@ class ScriptedEngine:
             return False
         elif isinstance(command, GrammarVocab):
             pass
+        elif isinstance(command, SlotCommand):
+            # It holds no KV: no lanes to list, nothing to save, restore or erase.
+            error = "" if command.action == "list" else "the scripted engine holds no KV"
+            self.emit(SlotReply(command.action_id, error=error))
         return True
 
     def _start(self, request: Generate) -> None:

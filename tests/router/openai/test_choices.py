@@ -33,7 +33,8 @@ class StandInEngine:
         self.submitted: list[str] = []
         self.aborted: list[str] = []
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               id_slot: int = -1) -> RequestStream:
         stream = self.streams[request_id] = RequestStream(self, request_id)  # type: ignore[arg-type]
         self.submitted.append(request_id)
         return stream
