@@ -311,14 +311,17 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         verified = None
         if inputs.draft_rows:
-            # Only greedy rows draft: the target's token at a draft position
-            # is the argmax of its raw logits (engine/sampling/verify.py).
-            # Logits a lane's worth of rows at a time, as for prompt scores:
-            # what the step's memory was measured with.
+            # The target's token at a draft position is drawn from the row's
+            # final distribution there, the argmax for a greedy row
+            # (engine/sampling/verify.py). Logits a lane's worth of rows at a
+            # time, as for prompt scores: what the step's memory was measured with.
             draft_hidden = hidden.index_select(0, self._rows(inputs.draft_rows))
             lane_rows = max(self.max_batch, 1)
             verified = self._targets_to_host(torch.cat([
-                self.model.compute_logits(draft_hidden[first : first + lane_rows]).argmax(dim=-1)
+                self.sampler.draw_targets(
+                    self.model.compute_logits(draft_hidden[first : first + lane_rows]),
+                    inputs.draft_seqs[first : first + lane_rows],
+                    inputs.draft_positions[first : first + lane_rows])
                 for first in range(0, len(inputs.draft_rows), lane_rows)]))
         return StepForward(inputs, logits, scores, pooled, verified)
 

@@ -30,9 +30,13 @@ class StepInputs:
     sample_rows: list[int]  # flat rows whose logits are sampled, in chunk order
     sample_seqs: list[Sequence]
     # Flat rows of draft tokens (engine/sampling/verify.py), in chunk order:
-    # the target's argmax there verifies the draft. A chunk with a draft
+    # the target's token drawn there verifies the draft. A chunk with a draft
     # samples at its first row (its newest known token), not its last.
     draft_rows: list[int] = field(default_factory=list)
+    # Per draft row, its sequence and the output index of the token drawn
+    # there (the key of a seeded row's random stream on the kernel path).
+    draft_seqs: list[Sequence] = field(default_factory=list)
+    draft_positions: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -81,6 +85,8 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
     draft_rows: list[int] = []
+    draft_seqs: list[Sequence] = []
+    draft_positions: list[int] = []
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
         end = chunk.start + chunk.num_tokens
@@ -91,6 +97,10 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
             sample_rows.append(first)
             sample_seqs.append(seq)
             draft_rows.extend(range(first + 1, first + 1 + len(chunk.draft)))
+            draft_seqs.extend([seq] * len(chunk.draft))
+            # The first row draws output token num_output_tokens; draft row i the i+1th after it.
+            after = seq.num_output_tokens + 1
+            draft_positions.extend(range(after, after + len(chunk.draft)))
             continue
         if chunk.num_tokens == 1:
             input_ids.append(seq.token_ids[chunk.start])
@@ -114,6 +124,8 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
         sample_rows=sample_rows,
         sample_seqs=sample_seqs,
         draft_rows=draft_rows,
+        draft_seqs=draft_seqs,
+        draft_positions=draft_positions,
     )
 
 

@@ -7,11 +7,12 @@ far, no placeholder) and proposes up to a given number of tokens; an empty
 proposal means "decode this row as usual". Drafters that come later (a draft
 model, MTP or EAGLE heads) answer the same call.
 
-Only rows whose next token is the plain argmax of the model's logits may
-draft in this stage (may_draft): greedy, with nothing that changes the logits
-or needs them per position (grammar, penalties, logit bias, log
-probabilities, a reasoning budget's forced tokens, prompt scoring, pooling).
-Sampled rows need rejection sampling, a later stage.
+Rows whose next token is drawn from the model's logits as they come (greedy,
+or sampled with temperature, top-k, top-p and min-p) may draft (may_draft);
+engine/sampling/verify.py keeps their tokens distributed exactly as without
+drafts. Rows with something that changes the logits or needs them per
+position (grammar, penalties, logit bias, log probabilities, a reasoning
+budget's forced tokens, prompt scoring, pooling) do not yet.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class Drafter(Protocol):
 
 
 def may_draft(params: SamplingParams) -> bool:
-    """Whether a request's rows may be verified greedily: its next token is
-    the argmax of the raw logits, and nothing is asked of them per position."""
-    return (params.greedy and params.grammar is None and params.reasoning is None
+    """Whether a request's rows may draft: its next token is the argmax of,
+    or a draw from, the raw logits (temperature and truncation only), and
+    nothing is asked of them per position."""
+    return (params.grammar is None and params.reasoning is None
             and not params.logit_bias and params.logprobs < 0 and params.prompt_logprobs < 0
             and params.pooling is None and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0

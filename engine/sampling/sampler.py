@@ -124,13 +124,39 @@ class Sampler:
             penalised.record(tokens)
         return tokens
 
-    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    @torch.inference_mode()
+    def draw_targets(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                     positions: Seq[int]) -> torch.Tensor:
+        """Speculative verification (engine/sampling/verify.py): int64 [D] on
+        the device, one token per draft position drawn from the row's final
+        distribution (the argmax for a greedy row). Drafting rows have no
+        mask, bias or penalty, so the logits are used as they come.
+        positions[i] is the output index of row i's token: the kernel keys
+        the row's random stream by it, as it keys a plain decode step's; the
+        reference path draws from the request's generator, in row order."""
+        if self.use_kernel:
+            if all(seq.params.greedy for seq in seqs):
+                return logits.argmax(dim=-1)
+            return self._sample_with_kernel(logits, seqs, positions)
+        result = logits.argmax(dim=-1)
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            chosen = self._draw(logits.index_select(0, rows), [seqs[i] for i in sampled_rows])
+            result.index_copy_(0, rows, chosen)
+        return result
+
+    def _sample_with_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                            positions: Seq[int] | None = None) -> torch.Tensor:
         params = [seq.params for seq in seqs]
+        if positions is None:
+            positions = [seq.num_output_tokens for seq in seqs]
         # A greedy row is a row with temperature 0: the kernel takes its argmax.
         host = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p]
                              for p in params], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), seq.num_output_tokens]
-                             for p, seq in zip(params, seqs, strict=True)], dtype=torch.int64)
+        ints = torch.tensor([[p.top_k, self._kernel_seed(seq), position]
+                             for p, seq, position in zip(params, seqs, positions, strict=True)],
+                            dtype=torch.int64)
         device = logits.device
         floats = host.to(device, non_blocking=True).T.contiguous()
         ints = ints.to(device, non_blocking=True).T.contiguous()

@@ -37,8 +37,8 @@ Requests with a grammar get an xgrammar matcher when they arrive (the grammar
 is compiled then); every step masks their logits and advances their matchers
 (engine/sampling/grammar.py).
 
-Speculative decoding (Scheduler.drafter, off by default): a greedy decode row
-may draft only with all its tokens on the host, and its accepted tokens must
+Speculative decoding (Scheduler.drafter, off by default): a decode row
+(greedy or sampled, see may_draft) drafts only with all its tokens on the host, and its accepted tokens must
 be known before anything more is scheduled for it. So while any running
 decode row may draft, each turn completes the step in flight before it
 schedules: the loop runs synchronously (no overlap on a GPU; none is lost on

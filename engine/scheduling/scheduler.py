@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
 from engine.sampling.drafter import Drafter, may_draft
-from engine.sampling.verify import accept_greedy
+from engine.sampling.verify import accept_drafts
 from engine.scheduling.lanes import Lanes
 from engine.scheduling.sequence import SeqStatus, Sequence
 
@@ -97,8 +97,9 @@ class Scheduler:
         draft_tokens: int = 0,
     ):
         self.kv = kv
-        # Speculative decoding (off: None): greedy decode rows whose tokens
-        # are all on the host get up to draft_tokens guesses verified per step.
+        # Speculative decoding (off: None): decode rows that may draft (greedy
+        # or sampled, see may_draft) whose tokens are all on the host get up
+        # to draft_tokens guesses verified per step.
         self.drafter = drafter if draft_tokens > 0 else None
         self.draft_tokens = draft_tokens
         self.max_concurrency = max_concurrency
@@ -352,7 +353,7 @@ class Scheduler:
         # scheduled for it before this step completes: its placeholder is last.
         assert chunk.token_index == seq.num_tokens - 1, "a drafted row got another placeholder"
         reason = self._finish_reason(seq, token, seq.num_tokens)
-        for extra in accept_greedy(token, chunk.draft, targets)[1:]:
+        for extra in accept_drafts(token, chunk.draft, targets)[1:]:
             if reason is not None:
                 break
             seq.token_ids.append(extra)

@@ -11,7 +11,7 @@ import pytest
 
 import protocol as p
 from engine.sampling.drafter import NgramDrafter, may_draft
-from engine.sampling.verify import accept_greedy
+from engine.sampling.verify import accept_drafts
 from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
@@ -85,9 +85,10 @@ def test_ngram_drafter_proposes_what_followed_the_longest_most_recent_match() ->
         NgramDrafter(3, 2)
 
 
-def test_only_plain_greedy_rows_draft() -> None:
+def test_only_rows_with_unchanged_logits_draft() -> None:
     assert may_draft(greedy(stop_token_ids=[2]))
-    assert not may_draft(p.SamplingParams(max_tokens=5, temperature=0.7))
+    # Sampled rows too (tests/engine/test_speculative_sampling.py).
+    assert may_draft(p.SamplingParams(max_tokens=5, temperature=0.7))
     for changed in ({"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"presence_penalty": 0.5},
                     {"repetition_penalty": 1.1}, {"grammar": p.GrammarSpec("json_schema", "{}")},
                     {"prompt_logprobs": 0}):
@@ -95,10 +96,10 @@ def test_only_plain_greedy_rows_draft() -> None:
 
 
 def test_greedy_acceptance_keeps_the_matching_prefix_and_one_more() -> None:
-    assert accept_greedy(5, [5, 6, 7], [6, 9, 8]) == [5, 6, 9]  # 7 rejected: 9 instead
-    assert accept_greedy(5, [5, 6], [6, 1]) == [5, 6, 1]  # all accepted, 1 free
-    assert accept_greedy(4, [5, 6], [6, 1]) == [4]  # the first guess is wrong
-    assert accept_greedy(4, [], []) == [4]
+    assert accept_drafts(5, [5, 6, 7], [6, 9, 8]) == [5, 6, 9]  # 7 rejected: 9 instead
+    assert accept_drafts(5, [5, 6], [6, 1]) == [5, 6, 1]  # all accepted, 1 free
+    assert accept_drafts(4, [5, 6], [6, 1]) == [4]  # the first guess is wrong
+    assert accept_drafts(4, [], []) == [4]
 
 
 # ---- whole engines -------------------------------------------------------------------
@@ -163,7 +164,11 @@ def test_qwen3_mixed_batch_is_unchanged_by_speculation(tiny_qwen3_dir: Path) -> 
     core.handle(vocab)
     for size in (1, 2, 6):
         chosen = dict(list(batch.items())[:size])
-        assert run(core, events, chosen) == run(plain_core, plain_events, chosen), size
+        got, want = run(core, events, chosen), run(plain_core, plain_events, chosen)
+        # The sampled row drafts too: its draws differ, its length does not.
+        if "sampled" in chosen:
+            assert len(got.pop("sampled")[0]) == len(want.pop("sampled")[0])
+        assert got == want, size
     assert core._stats.draft_tokens_total > 0
     assert_no_pages_held(core)
 
