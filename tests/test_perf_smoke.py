@@ -30,6 +30,7 @@ CPU_SCRIPTS = {
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
     "bench_router_streaming.py": [],
+    "bench_speculation_cpu.py": ["--threads", "2"],
     "bench_waiting_memory.py": [],
 }
 GPU_ONLY = [
