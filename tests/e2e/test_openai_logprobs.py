@@ -276,10 +276,14 @@ def test_siblings_share_the_prompts_pages(router: Server) -> None:
     reply = router.post("/v1/completions", json={"model": "smollm2", "prompt": prompt,
                                                   "max_tokens": 2, "n": 3, "temperature": 0}).json()
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Each sibling finds at least the full pages; if the first has already
+    # ended, its partial last page too (reuse to the token), never the last
+    # prompt token, which is always computed.
     expected = 2 * ((len(prompt) - 1) // page * page)
     wait_until(lambda: router.load()["smollm2"]["counters"]["cached_prompt_tokens"] - before
                >= expected, 5, "the siblings' cache hits", router)
-    assert router.load()["smollm2"]["counters"]["cached_prompt_tokens"] - before == expected
+    cached = router.load()["smollm2"]["counters"]["cached_prompt_tokens"] - before
+    assert expected <= cached <= 2 * (len(prompt) - 1)
 
 
 def test_every_shown_token_is_scored_whatever_the_parsers_make_of_it(
