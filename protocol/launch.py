@@ -8,8 +8,9 @@ import msgspec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What --pooling may say (unset: the model's own choice, engine/loader/pooling.py).
 POOLINGS = ("mean", "cls", "last")
-# What --spec may say: speculative decoding off, or n-gram (prompt lookup) drafts.
-SPEC_KINDS = ("none", "ngram")
+# What --spec may say: speculative decoding off, n-gram (prompt lookup) drafts,
+# or a draft model's (draft_model).
+SPEC_KINDS = ("none", "ngram", "draft")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,15 +61,19 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # How embedding requests pool (llama.cpp's --pooling): mean, cls or last;
     # None: the model's own sentence-transformers or GGUF setting, else last.
     pooling: str | None = None
-    # Speculative decoding (engine/sampling/drafter.py): "none" or "ngram"
+    # Speculative decoding (engine/sampling/drafter.py): "none", "ngram"
     # (prompt lookup: the continuation of the sequence's last n tokens found
     # earlier in its own prompt and output, n from spec_ngram_max down to
-    # spec_ngram_min); up to draft_tokens guesses verified per step, for
+    # spec_ngram_min) or "draft" (draft_model's greedy guesses); up to draft_tokens guesses verified per step, for
     # greedy rows only in this stage.
     spec: str = "none"
     draft_tokens: int = 4
     spec_ngram_min: int = 1
     spec_ngram_max: int = 3
+    # With spec "draft": the draft model's checkpoint (a GGUF file or a Hugging
+    # Face directory with the target's vocabulary), run greedily beside the
+    # target on its device (engine/sampling/draft_model.py).
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -106,6 +111,10 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                              f"got {self.pooling!r}")
         if self.spec not in SPEC_KINDS:
             raise ValueError(f"spec must be one of {', '.join(SPEC_KINDS)}, got {self.spec!r}")
+        if (self.spec == "draft") != bool(self.draft_model):
+            raise ValueError("--spec draft and --draft-model go together: a draft model "
+                             f"drafts only with --spec draft (got spec {self.spec!r} and "
+                             f"draft model {self.draft_model!r})")
         if self.draft_tokens < 1:
             raise ValueError(f"draft tokens must be at least 1, got {self.draft_tokens}")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:

@@ -201,14 +201,6 @@ class Generation:
         self.prefilled.set()
         if ids and not self._first_token:
             self._first_token = time.perf_counter()
-        if record is not None:
-            record.cached_tokens = self.cached_tokens
-            if ids:
-                record.add_tokens(len(ids))
-        self.completion_tokens += len(ids)
-        self.draft_tokens += output.num_draft_tokens
-        self.draft_accepted += output.num_draft_accepted
-        self.token_ids.extend(ids)
         visible = ids
         logprobs = output.logprobs
         if output.finish_reason == "stop" and ids and ids[-1] in self._hidden_ids:
@@ -217,12 +209,24 @@ class Generation:
             if len(logprobs) == len(ids):
                 self.stop_token_logprobs = logprobs[-1]
             logprobs = logprobs[:len(visible)]
+        piece, matched, used = self._match_stops(visible, output.finish_reason is not None)
+        if matched is not None and used < len(ids):
+            # A verify step's tokens after the stop string were never part of
+            # the answer: not counted, not reported (as decoding them one at
+            # a time would have stopped there).
+            ids, visible, logprobs = ids[:used], visible[:used], logprobs[:used]
+            self.stop_token = None
+            self.stop_token_logprobs = None
+        if record is not None:
+            record.cached_tokens = self.cached_tokens
+            if ids:
+                record.add_tokens(len(ids))
+        self.completion_tokens += len(ids)
+        self.draft_tokens += output.num_draft_tokens
+        self.draft_accepted += output.num_draft_accepted
+        self.token_ids.extend(ids)
         if logprobs:
             self.logprobs.extend(logprobs)
-        new_text = detokenizer.add(visible)
-        if output.finish_reason is not None:
-            new_text += detokenizer.flush()
-        piece, matched = matcher.feed(new_text)
         if matched is not None:
             self._finish("stop")
             self.stop_string = matched
@@ -232,6 +236,30 @@ class Generation:
             self._finish(output.finish_reason)
             return Piece(piece + matcher.flush(), ids, logprobs)
         return Piece(piece, ids, logprobs)
+
+    def _match_stops(self, visible: list[int], last: bool) -> tuple[str, str | None, int]:
+        """Detokenize visible tokens and look for a stop string: (text safe
+        to emit, the stop string met or None, how many of the tokens it
+        took). Several tokens (a verify step's) go one at a time while stop
+        strings are set, so a match tells which token completed it."""
+        detokenizer, matcher = self._detokenizer, self._matcher
+        assert detokenizer is not None and matcher is not None
+        if len(visible) <= 1 or not matcher.stops:
+            new_text = detokenizer.add(visible)
+            if last:
+                new_text += detokenizer.flush()
+            piece, matched = matcher.feed(new_text)
+            return piece, matched, len(visible)
+        pieces: list[str] = []
+        for index, token in enumerate(visible):
+            new_text = detokenizer.add([token])
+            if last and index == len(visible) - 1:
+                new_text += detokenizer.flush()
+            piece, matched = matcher.feed(new_text)
+            pieces.append(piece)
+            if matched is not None:
+                return "".join(pieces), matched, index + 1
+        return "".join(pieces), None, len(visible)
 
     @property
     def output_waiting(self) -> bool:

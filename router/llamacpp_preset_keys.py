@@ -68,7 +68,7 @@ spec-draft-ncmoe ncmoed n-cpu-moe-draft spec-draft-n-max spec-draft-n-min spec-s
 spec-synth-rates spec-draft-p-split draft-p-split spec-draft-p-min draft-p-min
 spec-draft-backend-sampling no-spec-draft-backend-sampling spec-draft-sampling
 spec-draft-device devd device-draft spec-draft-ngl ngld gpu-layers-draft n-gpu-layers-draft
-spec-draft-model md model-draft spec-type spec-ngram-mod-n-min spec-ngram-mod-n-max
+spec-draft-model md spec-type spec-ngram-mod-n-min spec-ngram-mod-n-max
 spec-ngram-mod-n-match spec-ngram-simple-size-n spec-ngram-simple-size-m
 spec-ngram-simple-min-hits spec-ngram-map-k-size-n spec-ngram-map-k-size-m
 spec-ngram-map-k-min-hits spec-ngram-map-k4v-size-n spec-ngram-map-k4v-size-m

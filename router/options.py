@@ -144,6 +144,18 @@ def directory(text: str) -> str:
     return str(Path(value).expanduser().absolute())
 
 
+def model_path(text: str) -> str:
+    """A model checkpoint (a .gguf file or a model directory) that exists
+    now, made absolute (engines may run elsewhere)."""
+    value = text.strip()
+    if not value:
+        raise OptionValueError("expected a model path")
+    path = Path(value).expanduser().absolute()
+    if not path.exists():
+        raise OptionValueError(f"{str(path)!r} does not exist")
+    return str(path)
+
+
 def names(text: str) -> tuple[str, ...]:
     """A comma-separated list of model names (`alias = a, b`)."""
     parts = tuple(part.strip() for part in text.split(","))
@@ -300,9 +312,17 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "(first token) or last (last token)", "{mean,cls,last}",
                 default_text="the model's sentence-transformers or GGUF setting, else last"),
     ModelOption("spec", choice(*SPEC_KINDS), "engine.spec",
-                "speculative decoding: none, or ngram (prompt lookup: drafts copied from "
-                "where the newest tokens appeared before in the request; greedy requests "
-                "only, output unchanged)", "{none,ngram}"),
+                "speculative decoding: none, ngram (prompt lookup: drafts copied from "
+                "where the newest tokens appeared before in the request) or draft (a "
+                "smaller model's guesses, --draft-model); output unchanged",
+                "{none,ngram,draft}"),
+    ModelOption("draft-model", model_path, "engine.draft_model",
+                "with --spec draft: the draft model, a GGUF file or a Hugging Face directory "
+                "with this model's vocabulary; it runs beside the model on its device",
+                "PATH", is_path=True, default_text="none"),
+    ModelOption("model-draft", model_path, "engine.draft_model",
+                "llama.cpp's name for --draft-model", "PATH", is_path=True,
+                default_text="none"),
     ModelOption("draft-tokens", integer(1, 64), "engine.draft_tokens",
                 "with --spec: the most draft tokens verified per request per step", "K"),
     ModelOption("draft-max", integer(1, 64), "engine.draft_tokens",

@@ -27,6 +27,7 @@ CPU_SCRIPTS = {
     "bench_embeddings.py": [],
     "bench_gpu_kv_tiers.py": [],
     "bench_gpu_scores.py": [],
+    "bench_gpu_speculation.py": [],
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
     "bench_router_streaming.py": [],

@@ -44,6 +44,21 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 CONTEXT_BUCKETS = (4096,)
 
 
+# Verify steps run as decode rows (engine/execution/step_inputs.py) up to
+# this many tokens: speculation pays where decoding reads weights, not where
+# it computes (small batches), and 64 rows cover batch 1-12 at 4 drafts while
+# the decode workspace and graphs stay small.
+VERIFY_DECODE_ROWS = 64
+
+
+def decode_row_capacity(max_batch: int, draft_tokens: int) -> int:
+    """The decode rows to size the workspace and graphs for: the lanes, and
+    with speculation the tokens of a verify step of small batches."""
+    if draft_tokens <= 0:
+        return max_batch
+    return max(max_batch, min(max_batch * (1 + draft_tokens), VERIFY_DECODE_ROWS))
+
+
 def capture_batch_sizes(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4) if size < max_batch]
     sizes += range(8, max_batch, 8)

@@ -163,12 +163,19 @@ class MemoryLedger:
     graph_count: int
     headroom_bytes: int
     free_bytes: int
+    # A draft model's (--spec draft): weights, KV pool and decode workspace.
+    draft_weights_bytes: int = 0
+    draft_kv_bytes: int = 0
+    draft_workspace_bytes: int = 0
 
     def facts(self) -> MemoryFacts:
-        """What the router's device ledger counts for this model."""
-        return MemoryFacts(weights_bytes=self.weights_bytes, kv_bytes=self.kv_bytes,
+        """What the router's device ledger counts for this model (a draft
+        model's memory under weights, KV and workspace)."""
+        return MemoryFacts(weights_bytes=self.weights_bytes + self.draft_weights_bytes,
+                           kv_bytes=self.kv_bytes + self.draft_kv_bytes,
                            activation_bytes=self.activation_bytes,
-                           workspace_bytes=self.workspace_bytes, graph_bytes=self.graph_bytes)
+                           workspace_bytes=self.workspace_bytes + self.draft_workspace_bytes,
+                           graph_bytes=self.graph_bytes)
 
     def describe(self) -> str:
         return (
@@ -179,7 +186,11 @@ class MemoryLedger:
             f"penalty counts included) + "
             f"decode workspace {self.workspace_bytes / MIB:.0f} MiB + "
             f"CUDA graphs {self.graph_bytes / MIB:.0f} MiB ({self.graph_count} graphs) + "
-            f"headroom {self.headroom_bytes / MIB:.0f} MiB; "
+            + (f"draft model: weights {self.draft_weights_bytes / GIB:.2f} GiB, KV "
+               f"{self.draft_kv_bytes / GIB:.2f} GiB, decode workspace "
+               f"{self.draft_workspace_bytes / MIB:.0f} MiB + " if self.draft_weights_bytes
+               else "")
+            + f"headroom {self.headroom_bytes / MIB:.0f} MiB; "
             f"{self.free_bytes / GIB:.2f} GiB free now"
         )
 

@@ -19,7 +19,12 @@ may still be written by the step in flight: a step scheduled before it ended
 may still cover a sequence that has stopped); the compute stream then waits
 for the copies' event, so the next forward pass, the first that can read a
 restored page or overwrite an evicted one, runs after them. The host thread
-never waits. On the CPU the copies are plain and done on return.
+never waits for them, except to read or write a slot's bytes on the host
+(slot_bytes, slot_view), and then only for the last copies that touched
+that slot (its fence: the copies' event), not for the whole side stream,
+which waits for the step in flight; so the disk tier's reader threads and
+its spills never wait a step for a slot no recent copy used. On the CPU the
+copies are plain and done on return.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class HostKVPool:
         self.page_bytes = self.page_shape.numel() * dtype.itemsize
         self.staging_pages = max(1, STAGING_BYTES // self.page_bytes)
         self._stream = torch.cuda.Stream(device) if pin else None
+        # Per slot, the event after the last copies that read or wrote it.
+        self._fences: dict[int, torch.cuda.Event] = {}
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +97,10 @@ class HostKVPool:
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_event(done)
+        for _, slot in transfers.stores:
+            self._fences[slot] = done
+        for slot, _ in transfers.loads:
+            self._fences[slot] = done
 
     def _copy(self, transfers: KVTransfers, kv_caches: Sequence[KVCache]) -> None:
         for chunk in _chunks(transfers.stores, self.staging_pages):
@@ -118,14 +129,21 @@ class HostKVPool:
     def slot_bytes(self, slot: int) -> bytes:
         """A copy of one slot's bytes, once the copies queued into it are
         done (the disk tier writes it while the slot is reused)."""
-        self.synchronize()
+        self._wait_for(slot)
         return self.slots[slot].view(torch.uint8).numpy().tobytes()
 
     def slot_view(self, slot: int) -> memoryview:
-        """One slot's bytes, writable (the disk tier reads a page into it),
-        once the copies queued from or into it are done."""
-        self.synchronize()
+        """One slot's bytes, writable (a disk tier reader thread reads a page
+        into it), once the copies queued from or into it are done; the
+        caller sees that none is queued after (the slot is reserved)."""
+        self._wait_for(slot)
         return memoryview(self.slots[slot].view(torch.uint8).reshape(-1).numpy())
+
+    def _wait_for(self, slot: int) -> None:
+        """Wait for the last copies that touched slot (releases the GIL)."""
+        fence = self._fences.get(slot)
+        if fence is not None:
+            fence.synchronize()
 
     def synchronize(self) -> None:
         """Wait for every queued copy (before the host reads or frees a slot)."""

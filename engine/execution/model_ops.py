@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.execution.attention_metadata import AttentionMetadata
-from kernels import activation, norm, reference
+from kernels import activation, moe_reference, norm, reference
 from kernels.cuda_build import cuda_available
 from kernels.decode_attention import decode_workspace, paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
@@ -79,6 +79,12 @@ class ReferenceOps:
             meta.block_tables, config.head_dim**-0.5,
         )
         return out.view(tokens, config.q_size)
+
+    def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Stacked SwiGLU experts: hidden [T, H], gate_up [E, 2I, H], down [E, H, I],
+        experts/weights [T, k] -> the weighted sum of each token's experts [T, H]."""
+        return moe_reference.moe_experts(hidden, gate_up, down, experts, weights)
 
 
 class CudaOps(ReferenceOps):
@@ -151,6 +157,15 @@ class CudaOps(ReferenceOps):
                 scale, meta.max_query_len,
             )
         return out.view(qkv.shape[0], config.q_size)
+
+    def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # NOTE: no expert kernels yet (issue 17). The torch loop reads the routing
+        # back to the host, which a CUDA graph capture forbids; while capturing,
+        # every expert runs over every row instead (zero-weighted where unpicked).
+        if torch.cuda.is_current_stream_capturing():
+            return moe_reference.moe_experts_dense(hidden, gate_up, down, experts, weights)
+        return moe_reference.moe_experts(hidden, gate_up, down, experts, weights)
 
 
 def _skinny_wins(rows: int, weight_elements: int) -> bool:

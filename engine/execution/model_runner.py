@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_in
 from engine.kv.host_tier import KVTransfers
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
+from engine.sampling.draft_logprobs import DraftLogprobs, draft_contexts
 from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
 from engine.sampling.processed_logprobs import use_processed
 from engine.sampling.sampler import Sampler
@@ -76,6 +77,7 @@ class ModelRunner:
         max_step_tokens: int = 0,
         cuda_graph: bool = False,
         host_kv_slots: int = 0,
+        decode_rows: int = 0,
     ):
         """Everything a step needs, built at once: the model's ops, a KV pool
         of num_pages pages and, with cuda_graph, the decode graphs.
@@ -83,7 +85,9 @@ class ModelRunner:
         max_context size their decode workspace and graphs, max_step_tokens
         (the scheduler's token budget) the graphs of steps with prompt
         chunks; host_kv_slots pages of host memory hold the host tier of the
-        prefix cache (engine/execution/host_kv.py). The model keeps
+        prefix cache (engine/execution/host_kv.py); decode_rows (max_batch
+        if smaller) sizes the decode workspace and graphs: a verify step of
+        up to that many tokens runs as decode rows (step_inputs.py). The model keeps
         the kernel ops it was given (bootstrap sets them before measuring a
         step's memory, which sizes num_pages)."""
         if num_pages < 1:
@@ -101,6 +105,7 @@ class ModelRunner:
         self.sampler = sampler
         self.use_kernels = use_kernels
         self.max_batch = max_batch
+        self.decode_rows = max(decode_rows, max_batch)
         self.max_context = max_context
         self.max_step_tokens = max_step_tokens
         self.cuda_graph = cuda_graph and use_kernels
@@ -130,7 +135,7 @@ class ModelRunner:
 
     def _make_ops(self) -> ReferenceOps:
         return make_ops(self.config, self.device, use_kernels=self.use_kernels,
-                        max_batch=self.max_batch, max_context=self.max_context)
+                        max_batch=self.decode_rows, max_context=self.max_context)
 
     def _capture_graphs(self) -> float:
         """With our kernels, set up the steps with prompt chunks that run
@@ -141,7 +146,7 @@ class ModelRunner:
             return 0.0
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        memory = (GraphMemory(self.max_batch, self.config.vocab_size, self.device)
+        memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
                   if self.cuda_graph else None)
         if chunk_graph_tokens(self.max_step_tokens):
             self.chunk_graphs = ChunkGraphs(
@@ -154,7 +159,7 @@ class ModelRunner:
         if self.chunk_graphs is not None:
             self.chunk_graphs.capture()
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.future, memory, max_batch=self.max_batch,
+            self.model, self.kv_caches, self.future, memory, max_batch=self.decode_rows,
             max_context=self.max_context, page_size=self.page_size, device=self.device,
         )
         self.graphs.capture()
@@ -163,7 +168,7 @@ class ModelRunner:
         chunk_sizes = self.chunk_graphs.sizes if self.chunk_graphs is not None else []
         log.info("captured %d CUDA graphs in %.2fs, %.1f MiB: decode batch sizes 1..%d with "
                  "context buckets %s; steps with prompt chunks of %s tokens", self.graph_count,
-                 seconds, self.graph_bytes / 2**20, self.max_batch, self.graphs.buckets,
+                 seconds, self.graph_bytes / 2**20, self.decode_rows, self.graphs.buckets,
                  f"{chunk_sizes[0]}..{chunk_sizes[-1]}" if chunk_sizes else "no")
         return seconds
 
@@ -278,19 +283,30 @@ class ModelRunner:
     # step's token); neither waits for the device. SampledTokens.tolist() does.
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> StepForward:
+    def forward(self, out: SchedulerOutput,
+                draft_masks: Callable[[], TokenMask | None] | None = None) -> StepForward:
         """Launch the forward pass of a scheduled step; placeholder input ids
         (tokens still on the device) are read from the future-token buffer.
-        A step that scores prompt tokens, pools an embedding or verifies
-        drafts runs eagerly: it needs the hidden states of those positions,
-        which no graph keeps (graphs for verify shapes are a later stage)."""
-        inputs = build_step_inputs(out, self.page_size)
+        A step that scores prompt tokens or pools an embedding runs eagerly:
+        it needs the hidden states of those positions, which no graph keeps.
+        A step that verifies drafts replays a decode graph when it fits the
+        decode rows (every token a row: step_inputs.py), else runs eagerly.
+        draft_masks, called once the forward pass is launched (the host fills
+        grammar masks while the device runs it), gives the mask of the draft
+        rows (EngineGrammar.fill_drafts), if any."""
+        inputs = build_step_inputs(out, self.page_size, self.decode_rows)
         embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
                      if chunk.seq.params.pooling is not None]
         if (not embedding and not inputs.draft_rows
                 and not any(chunk.scored for chunk in out.chunks)):
             return StepForward(inputs, self._logits(inputs))
-        hidden = self._forward(inputs)
+        # A verify step laid out as decode rows replays a decode graph, which
+        # gives every row's logits (step_inputs.py's _as_decode_rows).
+        graph_logits = (self.graphs.run(inputs) if self.graphs is not None and not embedding
+                        and not any(chunk.scored for chunk in out.chunks)
+                        and self.graphs.handles(inputs) else None)
+        hidden = self._forward(inputs) if graph_logits is None else None
+        draft_mask = draft_masks() if draft_masks is not None and inputs.draft_rows else None
         pooled = self.pooler.pool(hidden, inputs, embedding) if embedding else None
         scores: list[tuple[int, PromptScores]] = []
         for index, chunk in enumerate(out.chunks):
@@ -305,7 +321,10 @@ class ModelRunner:
                 hidden[row : row + last - first], targets, chunk.seq.params.prompt_logprobs,
                 max(self.max_batch, 1), self.model.compute_logits)))
         logits = None
-        if inputs.sample_rows:
+        if inputs.sample_rows and graph_logits is not None:
+            logits = graph_logits.index_select(0, self._rows(inputs.sample_rows))
+        elif inputs.sample_rows:
+            assert hidden is not None
             rows = hidden if len(inputs.sample_rows) == inputs.num_tokens else \
                 hidden.index_select(0, self._rows(inputs.sample_rows))
             logits = self.model.compute_logits(rows)
@@ -315,26 +334,44 @@ class ModelRunner:
             # final distribution there, the argmax for a greedy row
             # (engine/sampling/verify.py). Logits a lane's worth of rows at a
             # time, as for prompt scores: what the step's memory was measured with.
-            draft_hidden = hidden.index_select(0, self._rows(inputs.draft_rows))
+            draft_rows = self._rows(inputs.draft_rows)
+            # Copied out of the graph's buffer: the draws change them in place.
+            draft_graph_logits = (graph_logits.index_select(0, draft_rows)
+                                  if graph_logits is not None else None)
+            draft_hidden = hidden.index_select(0, draft_rows) if hidden is not None else None
             lane_rows = max(self.max_batch, 1)
-            verified = self._targets_to_host(torch.cat([
-                self.sampler.draw_targets(
-                    self.model.compute_logits(draft_hidden[first : first + lane_rows]),
-                    inputs.draft_seqs[first : first + lane_rows],
-                    inputs.draft_positions[first : first + lane_rows])
-                for first in range(0, len(inputs.draft_rows), lane_rows)]))
+            # Penalties count the drafts before each position; log
+            # probabilities are taken as plain decoding's (draft_logprobs.py).
+            ahead = draft_contexts(inputs.draft_seqs, inputs.input_ids[inputs.draft_rows].tolist())
+            asked = DraftLogprobs()
+            targets: list[torch.Tensor] = []
+            for first in range(0, len(inputs.draft_rows), lane_rows):
+                block = slice(first, first + lane_rows)
+                draft_logits = (draft_graph_logits[block] if draft_graph_logits is not None
+                                else self.model.compute_logits(draft_hidden[block]))  # type: ignore[index]
+                seqs = inputs.draft_seqs[block]
+                raw = RowLogprobs.of(draft_logits, seqs)  # before draw_targets changes them
+                targets.append(self.sampler.draw_targets(
+                    draft_logits, seqs, inputs.draft_positions[block],
+                    draft_mask.window(first, lane_rows) if draft_mask is not None else None,
+                    ahead=ahead[block], resolve=self.future.resolve))
+                asked.take(raw, draft_logits, seqs, targets[-1], self.sampler)
+            verified = self._targets_to_host(torch.cat(targets),
+                                             asked if asked.asked else None)
         return StepForward(inputs, logits, scores, pooled, verified)
 
-    def _targets_to_host(self, targets: torch.Tensor) -> SampledTokens:
-        """A verify step's target tokens on their way to the host, through a
-        buffer of their own (the sampled tokens' turns are for two steps)."""
+    def _targets_to_host(self, targets: torch.Tensor,
+                         logprobs: DraftLogprobs | None = None) -> SampledTokens:
+        """A verify step's target tokens (and the log probabilities of those
+        of rows that ask) on their way to the host, through a buffer of their
+        own (the sampled tokens' turns are for two steps)."""
         if self.device.type != "cuda":
-            return SampledTokens(targets.tolist())
+            return SampledTokens(targets.tolist(), logprobs=logprobs)
         host = torch.empty(targets.numel(), dtype=torch.int64, pin_memory=True)
         host.copy_(targets, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return SampledTokens(host, done)
+        return SampledTokens(host, done, logprobs)
 
     def forget(self, request_id: str) -> None:
         """A request ended: drop what the device side kept for it."""
@@ -444,7 +481,7 @@ class SampledTokens:
     asked for them), on their way to the host."""
 
     def __init__(self, tokens: list[int] | torch.Tensor, done: torch.cuda.Event | None = None,
-                 logprobs: HostLogprobs | None = None) -> None:
+                 logprobs: HostLogprobs | DraftLogprobs | None = None) -> None:
         self._tokens = tokens
         self._done = done
         self._logprobs = logprobs

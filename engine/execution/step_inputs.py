@@ -72,7 +72,11 @@ def slots_of(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray,
     return pages * page_size + positions % page_size
 
 
-def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0) -> StepInputs:
+    """The step's flat batch. A verify step (drafts, and otherwise decode
+    rows only) of at most decode_rows tokens is laid out as decode rows:
+    each token its own attention row over its sequence's pages, with the
+    context up to itself (see _as_decode_rows)."""
     chunks = out.chunks
     num_seqs = len(chunks)
     counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -114,6 +118,10 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
     positions = np.arange(len(row_of_token), dtype=np.int64) - query_start[row_of_token] + \
         starts[row_of_token]
     slots = slots_of(block_tables, row_of_token, positions, page_size)
+    if draft_rows and len(input_ids) <= decode_rows and all(
+            chunk.num_tokens == 1 or chunk.draft for chunk in chunks):
+        query_start, seq_lens, block_tables = _as_decode_rows(positions, block_tables,
+                                                              row_of_token)
     return StepInputs(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,
@@ -127,6 +135,20 @@ def build_step_inputs(out: SchedulerOutput, page_size: int) -> StepInputs:
         draft_seqs=draft_seqs,
         draft_positions=draft_positions,
     )
+
+
+def _as_decode_rows(positions: np.ndarray, block_tables: np.ndarray, row_of_token: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query_start_loc, seq_lens, block_tables) with every token a decode
+    row of its own: its context ends at itself, its page table is its
+    sequence's. A layer writes every row's K and V before it attends, so a
+    draft row sees the drafts before it. This runs the decode kernel and the
+    decode CUDA graphs (engine/execution/cuda_graphs.py), which compute each
+    position as plain decoding computes it, rather than the prefill kernel."""
+    num_rows = len(positions)
+    query_start = np.arange(num_rows + 1, dtype=np.int32)
+    seq_lens = (positions + 1).astype(np.int32)
+    return query_start, seq_lens, block_tables[row_of_token]
 
 
 class DeviceInputs:

@@ -9,19 +9,24 @@ is least recently used out by file, within its byte budget; at start it
 scans its directory (order from the files' mtimes, which a hit refreshes).
 
 Writes: HostTier offers each page it evicts (on_evict); the page's bytes are
-copied out of the host slot at once (the slot is about to be reused) and a
-writer thread writes them to a temporary name and renames it. A write that
+copied out of the host slot at once (the slot is about to be reused) and
+one of WRITER_THREADS writer threads writes them to a temporary name and
+renames it. A write that
 fails (a full disk: ENOSPC) drops the page, counted and logged once; serving
 goes on. Pages still resident in the host tier at shutdown are written too,
-most recently used first, for at most SHUTDOWN_WRITE_SECONDS.
+most recently used first, for at most SHUTDOWN_WRITE_SECONDS. A page waiting
+for the writer is found all the same (find()) and read from its copy in
+memory (unwritten()): evicted from the host tier a moment before a request
+wants it, it is not missed for want of its file.
 
 Reads: admission finds pages here after the device and the host tier (in
-the index: nothing is read to decide whether a request fits), and once the
-request is admitted reads them (read()), in order, into host slots, which
-then take the host tier's path to the device. The reads are synchronous, on the engine's loop
-(known limit: one admission's restore delays that step by up to its
-deadline); the deadline (--disk-kv-restore-ms) is checked between pages, and
-the pages left over are computed instead. A file that is torn, truncated,
+the index: nothing is read to decide whether a request fits). Once the
+request fits, reader threads (engine/kv/disk_reader.py, owned here) read
+them into reserved host slots while the engine goes on stepping the other
+requests, and the request waits (engine/kv/disk_restore.py) until they are
+read or its deadline (--disk-kv-restore-ms) passes; the pages read then take
+the host tier's path to the device, the rest are computed. The engine
+thread settles each read here (settle()): a file that is torn, truncated,
 altered or foreign reads as a miss and is deleted.
 
 No torch here: the host slots' bytes come through SlotMemory
@@ -42,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine.kv.disk_pages import PageRead, file_bytes, page_header, read_page
+from engine.kv.disk_pages import PageRead, file_bytes, page_header
+from engine.kv.disk_reader import DiskReader
 from engine.kv.host_tier import HostTier
 from protocol import EngineStats
 
@@ -55,6 +61,11 @@ SHUTDOWN_WRITE_SECONDS = 5.0
 # Page bytes waiting for the writer thread at most; a page evicted beyond
 # that (the disk slower than the evictions) is dropped, and counted.
 WRITE_QUEUE_BYTES = 256 * 2**20
+# Writer threads sharing the queue. One thread is bound by the page checksum
+# (blake2b: ~430 MB/s on a slow server core, below a 1.5 GB/s disk, and the
+# host tier evicts ~2 GB/s under load); hashlib and file writes release the
+# GIL on large buffers, so four run in parallel.
+WRITER_THREADS = 4
 # A temporary file older than this at load was left by a write cut short.
 STALE_TEMPORARY_SECONDS = 60.0
 # Bumped when the layout of a page's K/V in a host slot changes.
@@ -90,6 +101,8 @@ class DiskCounters:
     dropped_pages: int = 0
     # Restores cut short by --disk-kv-restore-ms.
     deadline_hits: int = 0
+    # Seconds requests waited for their restores (start to end, summed; the
+    # reads run off the engine's loop, which steps the others meanwhile).
     restore_seconds: float = 0.0
 
 
@@ -135,14 +148,20 @@ class DiskTier:
         self._bytes = 0
         self._queue: deque[tuple[bytes, tuple[int, ...], bytes]] = deque()
         self._queued_bytes = 0
-        self._writing = False
+        # Pages queued or being written: found (find()) and read (unwritten())
+        # from memory until their file is in place.
+        self._unwritten: dict[bytes, tuple[tuple[int, ...], bytes]] = {}
+        # Writer threads inside a write (flush() waits for them too).
+        self._writing = 0
         self._closed = False
         self._failures_logged: set[int] = set()
         directory.mkdir(parents=True, exist_ok=True)
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="disk-kv-writer",
-                                        daemon=True)
-        self._writer.start()
+        self._writers = [threading.Thread(target=self._write_loop, name=f"disk-kv-writer-{i}",
+                                          daemon=True) for i in range(WRITER_THREADS)]
+        for writer in self._writers:
+            writer.start()
+        self.reader = DiskReader(directory, kv_format, memory, self.unwritten)
 
     # ---- the index -------------------------------------------------------------
 
@@ -183,7 +202,14 @@ class DiskTier:
 
     def find(self, page_hash: bytes) -> bool:
         with self._lock:
-            return page_hash in self._index
+            return page_hash in self._index or page_hash in self._unwritten
+
+    def unwritten(self, page_hash: bytes) -> tuple[tuple[int, ...], bytes] | None:
+        """A page's tokens and bytes while it waits for the writer (or is
+        being written), for a reader: a page just evicted from the host tier
+        is read back from memory, not missed for want of its file."""
+        with self._lock:
+            return self._unwritten.get(page_hash)
 
     def cached_hashes(self) -> list[bytes]:
         """Hashes held, least recently used first."""
@@ -215,6 +241,8 @@ class DiskTier:
             if page_hash in self._index:
                 self._index.move_to_end(page_hash)
                 return
+            if page_hash in self._unwritten:
+                return
             if self._closed or self._queued_bytes + self.page_bytes > WRITE_QUEUE_BYTES:
                 self.counters.dropped_pages += 1
                 return
@@ -222,6 +250,7 @@ class DiskTier:
         payload = self.memory.slot_bytes(slot)
         with self._lock:
             self._queue.append((page_hash, tokens, payload))
+            self._unwritten[page_hash] = (tokens, payload)
             self._lock.notify_all()
 
     def _write_loop(self) -> None:
@@ -232,18 +261,20 @@ class DiskTier:
                 if not self._queue:
                     return
                 page_hash, tokens, payload = self._queue.popleft()
-                self._writing = True
+                self._writing += 1
             try:
                 self._write(page_hash, tokens, payload)
             finally:
                 with self._lock:
-                    self._writing = False
+                    self._writing -= 1
                     self._queued_bytes -= len(payload)
+                    self._unwritten.pop(page_hash, None)
                     self._lock.notify_all()
 
     def _write(self, page_hash: bytes, tokens: Sequence[int], payload: bytes) -> None:
-        if self.find(page_hash):
-            return
+        with self._lock:
+            if page_hash in self._index:
+                return
         path = self._path(page_hash)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         header = page_header(self.kv_format, page_hash, tokens, payload)
@@ -304,55 +335,42 @@ class DiskTier:
                  if written < len(resident) else "")
 
     def close(self) -> None:
-        """Stop the writer thread once the queue is empty (or dropped)."""
+        """Stop the readers (reads not started are skipped) and the writer
+        threads (the queue is dropped; writes under way finish)."""
+        self.reader.close()
         with self._lock:
             self._closed = True
+            for page_hash, _, _ in self._queue:
+                self._unwritten.pop(page_hash, None)
             self._queue.clear()
             self._queued_bytes = 0
             self._lock.notify_all()
-        self._writer.join()
+        for writer in self._writers:
+            writer.join()
 
     # ---- reads -----------------------------------------------------------------
 
-    def read(self, host: HostTier, page_hash: bytes, tokens: Sequence[int],
-             deadline: float) -> int | None:
-        """Read one page found here into a host slot, pinned there until the
-        host tier's transfers are taken; None when it cannot be read (gone,
-        damaged, no host slot free, or the restore's deadline, a
-        time.monotonic() value, passed): its tokens are computed instead."""
-        started = time.monotonic()
-        if started > deadline:
-            self.counters.deadline_hits += 1
-            return None
-        slot = host.store(page_hash, tokens)
-        if slot is None:
-            return None  # every host slot is being read this step
-        path = self._path(page_hash)
-        status = read_page(path, self.kv_format, page_hash, tokens, self.memory.slot_view(slot))
-        self.counters.restore_seconds += time.monotonic() - started
-        if status is not PageRead.OK:
-            host.discard(slot)
-            self._forget(page_hash)
-            if status is PageRead.CORRUPT:
-                self.counters.corrupt_pages += 1
-                path.unlink(missing_ok=True)
-                log.warning("disk KV tier: page file %s is damaged or foreign; deleted, its "
-                            "tokens are computed instead", path.name)
-            return None
-        host.take(slot)
-        self._touch(page_hash)
-        self.counters.bytes_read += self.file_bytes
-        return slot
-
-    def _touch(self, page_hash: bytes) -> None:
-        """Most recently used, here and (through its mtime) after a restart."""
-        with self._lock:
-            if page_hash in self._index:
-                self._index.move_to_end(page_hash)
-        try:
-            os.utime(self._path(page_hash))
-        except OSError:
-            pass  # evicted meanwhile: the order only matters while it exists
+    def settle(self, page_hash: bytes, status: PageRead | None, from_memory: bool = False
+               ) -> None:
+        """On the engine thread: the outcome of a reader's read of a page
+        (None: skipped; from_memory: its write was still pending). The
+        reader refreshed a good file's mtime already."""
+        if status is None:
+            return
+        if status is PageRead.OK:
+            if not from_memory:
+                self.counters.bytes_read += self.file_bytes
+            with self._lock:
+                if page_hash in self._index:
+                    self._index.move_to_end(page_hash)
+            return
+        self._forget(page_hash)
+        if status is PageRead.CORRUPT:
+            self.counters.corrupt_pages += 1
+            path = self._path(page_hash)
+            path.unlink(missing_ok=True)
+            log.warning("disk KV tier: page file %s is damaged or foreign; deleted, its "
+                        "tokens are computed instead", path.name)
 
     def report(self, stats: EngineStats) -> None:
         counters = self.counters

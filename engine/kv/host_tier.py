@@ -17,11 +17,17 @@ HostTier.store evicts its least recently used page to make room and offers it
 to on_evict first, while its bytes are still in the slot (the queued copy
 into it has not run). A page whose own copy into the slot is still queued has
 no bytes there yet: it is not offered, and that copy is cancelled.
+
+Disk restores (engine/kv/disk_restore.py) take slots in two more ways: a
+slot reserved for a page being read from disk belongs to no page (nothing
+finds, evicts or copies it) until fill() registers the page read into it or
+unreserve() frees it; and a page held (hold(), by hash, counted) for a
+request waiting on its restore is never evicted until released.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -102,6 +108,10 @@ class HostTier:
         self._by_hash: dict[bytes, int] = {}
         # Slots read by queued loads: not reused until the transfers are taken.
         self._pinned: set[int] = set()
+        # Slots a disk read fills (off the engine's loop): no page's yet.
+        self._reserved: set[int] = set()
+        # Pages a request waiting on its disk restore will load: kept.
+        self._held: Counter[bytes] = Counter()
         self.on_evict: HostEvictHook | None = None
 
     @property
@@ -130,23 +140,80 @@ class HostTier:
         if known is not None:
             self._slots.move_to_end(known)
             return None
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = next((s for s in self._slots if s not in self._pinned), None)
-            if slot is None:
-                return None  # every slot is being read this step: the page is dropped
-            victim, victim_tokens = self._slots.pop(slot)
-            del self._by_hash[victim]
-            self.counters.evicted_pages += 1
-            stores = self.transfers.stores
-            if any(queued == slot for _, queued in stores):
-                self.transfers.stores = [(p, s) for p, s in stores if s != slot]
-            elif self.on_evict is not None:
-                self.on_evict(slot, victim, victim_tokens)
+        slot = self._vacate()
+        if slot is None:
+            return None  # every slot is being read this step (or held): the page is dropped
         self._slots[slot] = (page_hash, tuple(tokens))
         self._by_hash[page_hash] = slot
         return slot
+
+    def _vacate(self) -> int | None:
+        """A free slot, or the least recently used one neither pinned nor
+        held, its page evicted (offered to on_evict); None when none is."""
+        if self._free:
+            return self._free.pop()
+        slot = next((s for s, (page_hash, _) in self._slots.items()
+                     if s not in self._pinned and page_hash not in self._held), None)
+        if slot is None:
+            return None
+        victim, victim_tokens = self._slots.pop(slot)
+        del self._by_hash[victim]
+        self.counters.evicted_pages += 1
+        stores = self.transfers.stores
+        if any(queued == slot for _, queued in stores):
+            self.transfers.stores = [(p, s) for p, s in stores if s != slot]
+        elif self.on_evict is not None:
+            self.on_evict(slot, victim, victim_tokens)
+        return slot
+
+    # ---- slots filled from the disk, off the engine's loop --------------------
+
+    def reserve(self) -> int | None:
+        """A slot for a page read from disk (on another thread): it belongs
+        to no page until fill() or unreserve(). None: none can be had."""
+        slot = self._vacate()
+        if slot is not None:
+            self._reserved.add(slot)
+        return slot
+
+    def fill(self, slot: int, page_hash: bytes, tokens: Sequence[int]) -> int:
+        """The page is read into reserved slot: register it; returns the slot
+        that holds the page (another one when the device evicted the same
+        page to this tier meanwhile: the reserved slot is then freed)."""
+        self._reserved.remove(slot)
+        known = self._by_hash.get(page_hash)
+        if known is not None:
+            self._free.append(slot)
+            self._slots.move_to_end(known)
+            return known
+        self._slots[slot] = (page_hash, tuple(tokens))
+        self._by_hash[page_hash] = slot
+        return slot
+
+    def unreserve(self, slot: int) -> None:
+        """The read into reserved slot failed or was dropped: free it."""
+        self._reserved.remove(slot)
+        self._free.append(slot)
+
+    def hold(self, page_hash: bytes) -> None:
+        """Keep the page (if held here) from eviction until release()."""
+        self._held[page_hash] += 1
+        slot = self._by_hash.get(page_hash)
+        if slot is not None:
+            self._slots.move_to_end(slot)
+
+    def release(self, page_hash: bytes) -> None:
+        self._held[page_hash] -= 1
+        if not self._held[page_hash]:
+            del self._held[page_hash]
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)
 
     def offload(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
         """A device page evicted from the prefix cache: keep a copy, queued
@@ -163,8 +230,7 @@ class HostTier:
         self.counters.bytes_to_host += self.page_bytes
 
     def discard(self, slot: int) -> None:
-        """Free a slot that store() gave out but that holds no page after all
-        (the disk tier could not read the page into it)."""
+        """Drop a slot's page and free the slot (a /slots erase)."""
         page_hash, _ = self._slots.pop(slot)
         del self._by_hash[page_hash]
         self._pinned.discard(slot)
@@ -202,9 +268,12 @@ class HostTier:
         return [page_hash for page_hash, _ in self._slots.values()]
 
     def check_invariants(self) -> None:
-        assert len(self._free) + len(self._slots) == self.num_slots, (
-            f"host tier: free {len(self._free)} + cached {len(self._slots)} != {self.num_slots}")
+        free, cached, reserved = len(self._free), len(self._slots), len(self._reserved)
+        assert free + cached + reserved == self.num_slots, (
+            f"host tier: free {free} + cached {cached} + reserved {reserved} != {self.num_slots}")
         assert not set(self._free) & self._slots.keys(), "a host slot is both free and cached"
+        assert not self._reserved & (set(self._free) | self._slots.keys()), (
+            "a reserved host slot is also free or cached")
         assert len(self._by_hash) == len(self._slots), "host tier hash index is stale"
         for page_hash, slot in self._by_hash.items():
             assert self._slots[slot][0] == page_hash, f"host slot {slot}'s hash index is stale"

@@ -16,9 +16,12 @@ With a disk tier behind it (engine/kv/disk_tier.py), the pages the host tier
 evicts are written to files, and the lookup goes on into the disk after the
 host. Whether a request fits is decided from the disk's index alone, before
 anything is read: a request that cannot be admitted yet reads nothing and
-moves no host page however many steps it waits. Once it is admitted, each
-page found there is read into a host slot (synchronously, within the restore
-deadline) and copied on to the device as a host page is.
+moves no host page however many steps it waits. Once it fits, try_admit
+starts reading those pages into host slots off the engine's loop
+(engine/kv/disk_restore.py) and refuses it for now: it waits, skipped by
+admission (is_restoring), until they are read or its restore deadline
+passes, and is then admitted with the pages read, copied on to the device
+as host pages are; the pages not read are computed.
 
 Each admission's cached tokens are counted once, in the tier that served
 them (a page read from the disk is the disk's hit, not the host's too), and
@@ -36,12 +39,12 @@ request with cache_prompt false are never registered.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
 from engine.kv.block_hash import ROOT_HASH, hash_page
 from engine.kv.block_pool import BlockPool
+from engine.kv.disk_restore import DiskRestores
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier, KVTransfers
 from engine.kv.partial_pages import PartialHit, PartialPages, partial_hash
@@ -56,7 +59,9 @@ class PrefixPage(NamedTuple):
     tokens: list[int]
     page: int | None  # the device page holding it, or None: in the host tier
     slot: int | None  # its host tier slot when not on the device
-    on_disk: bool = False  # found in the disk tier (read into a host slot at admission)
+    # Found in the disk tier only (slot None), or read from it for this
+    # request into the host tier (slot set: counted as the disk's hit).
+    on_disk: bool = False
 
 
 def takes_hits(params: SamplingParams) -> bool:
@@ -77,9 +82,13 @@ class KVManager:
         self.disk = disk
         if host is not None:
             pool.on_evict = host.offload
+        self.restores: DiskRestores | None = None
+        # Requests whose restore waits for the one under way (their ids).
+        self._next_restores: set[str] = set()
         if disk is not None:
             assert host is not None, "the disk tier takes its pages from the host tier"
             host.on_evict = disk.spill
+            self.restores = DiskRestores(disk, host, pool, self.promote)
         self.page_size = pool.page_size
         self.fingerprint = fingerprint
         self.output_window = output_window
@@ -122,7 +131,9 @@ class KVManager:
     def try_admit(self, seq: Sequence) -> bool:
         """Give seq pages for all its tokens and reserve its output window.
 
-        Nothing is read from the disk tier unless seq fits (see _fits)."""
+        Nothing is read from the disk tier unless seq fits (see _fits); when
+        it fits and its prefix goes on into the disk, the reads start and
+        seq is refused until they end (is_restoring)."""
         prefix, stopped = self._cached_prefix(seq)
         hit = self._partial_hit(seq, prefix)
         remaining_output = max(seq.params.max_tokens - seq.num_output_tokens, 0)
@@ -132,12 +143,32 @@ class KVManager:
         target_pages = max(self.pages_for(target_tokens), self.pages_for(seq.num_tokens))
         if not self._fits(prefix, hit, target_pages):
             return False
+        first_disk = next((i for i, entry in enumerate(prefix) if entry.on_disk), len(prefix))
+        restores = self.restores
+        if first_disk < len(prefix):
+            assert restores is not None
+            if self.is_restoring(seq):
+                return False
+            if not restores.has(seq.request_id) and restores.busy:
+                # One restore at a time: another request's holds pages until
+                # it is admitted, and two such could hold what both need.
+                self._next_restores.add(seq.request_id)
+                return False
+            self._next_restores.discard(seq.request_id)
+            if not restores.has(seq.request_id) and restores.start(
+                    seq.request_id, [entry.page for entry in prefix if entry.page is not None],
+                    [entry.page_hash for entry in prefix if entry.slot is not None],
+                    [(prefix[i - 1].page_hash if i else ROOT_HASH, entry.page_hash,
+                      tuple(entry.tokens)) for i, entry in enumerate(prefix)
+                     if i >= first_disk and entry.on_disk]):
+                return False
+            # Not read (past the deadline, damaged, no slot): computed.
+            prefix, stopped, hit = prefix[:first_disk], True, None
+        if restores is not None and restores.has(seq.request_id):
+            read = restores.read_pages(seq.request_id)
+            prefix = [entry._replace(on_disk=True) if entry.page_hash in read else entry
+                      for entry in prefix]
         from_disk = any(entry.on_disk for entry in prefix)
-        if from_disk:
-            prefix, cut = self._read_from_disk(prefix)
-            if cut:
-                stopped = True
-                hit = None  # it continued the pages past the cut
         cached = [entry.page for entry in prefix if entry.page is not None]
         self.pool.acquire(cached)
         if hit is not None:
@@ -153,6 +184,8 @@ class KVManager:
             for entry in prefix:
                 if entry.slot is not None:
                     host.take(entry.slot)
+            if restores is not None:
+                restores.finish(seq.request_id)  # its pages are pinned for this step
         fresh = iter(self.pool.allocate(self.pages_for(seq.num_tokens) - len(cached)))
         table: list[int] = []
         parent = ROOT_HASH
@@ -211,7 +244,7 @@ class KVManager:
 
     def _hits_by_tier(self, prefix: list[PrefixPage], partial: int) -> CacheHits:
         ps = self.page_size
-        device = sum(ps for entry in prefix if entry.page is not None)
+        device = sum(ps for entry in prefix if entry.page is not None and not entry.on_disk)
         disk = sum(ps for entry in prefix if entry.on_disk)
         return CacheHits(device=device, host=len(prefix) * ps - device - disk, disk=disk,
                          partial=partial)
@@ -230,26 +263,48 @@ class KVManager:
             self.partial.hits += 1
             self.partial.hit_tokens += hits.partial
 
-    def _read_from_disk(self, prefix: list[PrefixPage]) -> tuple[list[PrefixPage], bool]:
-        """Read the prefix's pages found on disk into host slots, in order;
-        the prefix up to the first that could not be read (and whether one
-        could not). The host tier's own pages of the prefix are pinned first,
-        so the slots the reads take never push them out."""
-        host, disk = self.host, self.disk
-        assert host is not None and disk is not None
-        for entry in prefix:
-            if entry.slot is not None:
-                host.take(entry.slot)
-        deadline = time.monotonic() + disk.restore_seconds
-        read: list[PrefixPage] = []
-        for entry in prefix:
-            if entry.on_disk:
-                slot = disk.read(host, entry.page_hash, entry.tokens, deadline)
-                if slot is None:
-                    return read, True
-                entry = entry._replace(slot=slot)
-            read.append(entry)
-        return read, False
+    def is_restoring(self, seq: Sequence) -> bool:
+        """seq waits for its prefix to be read from the disk tier (or for
+        the restore under way to end, so that its own can begin)."""
+        restores = self.restores
+        return restores is not None and (
+            restores.restoring(seq.request_id)
+            or (seq.request_id in self._next_restores and restores.busy))
+
+    @property
+    def restoring(self) -> bool:
+        return self.restores is not None and self.restores.active
+
+    def promote(self, slot: int, parent: bytes, page_hash: bytes, tokens: tuple[int, ...]
+                ) -> int | None:
+        """A page a disk restore read into a host slot, put on a device page
+        (DiskRestores._keep) if the pool can spare one beyond the running
+        sequences' reservations: cached there at once, the copy from the
+        slot queued; returns the page, referenced for the restore. None:
+        no page to spare (or the device has it already)."""
+        host = self.host
+        assert host is not None
+        page = self.pool.lookup(page_hash, tokens)
+        if page is not None:
+            self.pool.acquire([page])  # computed meanwhile: no copy needed
+            return page
+        if self.pool.num_free - self.outstanding < 1:
+            return None
+        host.take(slot)  # pinned: the page allocate() may evict must not push it out
+        (page,) = self.pool.allocate(1)
+        host.load(slot, page)
+        self.register(page, parent, page_hash, list(tokens))
+        return page
+
+    def poll_restores(self) -> None:
+        """Take the disk reads done (each step, before admission)."""
+        if self.restores is not None:
+            self.restores.poll()
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Nothing else to do: wait for a disk read (or a restore's deadline)."""
+        if self.restores is not None:
+            self.restores.wait(timeout)
 
     def offload_cached(self) -> Iterator[KVTransfers]:
         """At shutdown, with a disk tier: move the device's cached pages that
@@ -259,6 +314,8 @@ class KVManager:
         host, disk = self.host, self.disk
         if host is None or disk is None:
             return
+        if self.restores is not None:
+            self.restores.close()  # no slot stays reserved for a read
         pages = [(page, *self.pool.cached_key(page)) for page in self.pool.cached_pages()]
         pages = [entry for entry in pages if not disk.find(entry[1])]
         for start in range(0, len(pages), host.num_slots):
@@ -269,6 +326,8 @@ class KVManager:
     def close(self) -> None:
         """At shutdown: the disk tier writes the host tier's pages it lacks."""
         if self.disk is not None and self.host is not None:
+            assert self.restores is not None
+            self.restores.close()
             self.disk.persist(self.host)
 
     def take_transfers(self) -> KVTransfers:
@@ -332,6 +391,9 @@ class KVManager:
             self.partial.add(parent, page, tokens)
 
     def free(self, seq: Sequence) -> None:
+        if self.restores is not None:
+            self.restores.finish(seq.request_id)  # aborted while its pages were read
+            self._next_restores.discard(seq.request_id)
         self._keep_partial_page(seq)
         self.outstanding -= max(seq.reserved_pages - len(seq.block_table), 0)
         # Tail first: the prefix, shared more often, stays cached longer.
@@ -364,6 +426,8 @@ class KVManager:
         self.partial.check_invariants(self.pool.is_registered)
         if self.host is not None:
             self.host.check_invariants()
+        if self.restores is not None:
+            self.restores.check_invariants()
         expected = sum(max(s.reserved_pages - len(s.block_table), 0) for s in running)
         assert self.outstanding == expected, (
             f"outstanding reservations {self.outstanding} != {expected} summed over running"

@@ -7,12 +7,15 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.decoder import CausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.__name__: cls
-    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+                Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 }
 _GGUF_ARCHITECTURES: dict[str, str] = {
     cls.gguf_architecture: name for name, cls in ARCHITECTURES.items() if cls.gguf_architecture

@@ -19,6 +19,30 @@ _ROPE_KEYS = {
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLP of the layers listed in sparse_layers; the
+    other layers keep a dense MLP of ModelConfig.intermediate_size."""
+
+    num_experts: int
+    experts_per_token: int  # top-k
+    intermediate_size: int  # of one expert
+    normalize_topk: bool  # divide the k routing weights by their sum
+    sparse_layers: tuple[int, ...]
+    # Mixtral keeps the routing weights in float32 and weighs expert outputs in
+    # float32; Qwen3-MoE casts the weights to the model dtype first.
+    weigh_in_float32: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"{self.experts_per_token} experts per token with {self.num_experts} experts"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # HF class name, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -41,6 +65,8 @@ class ModelConfig:
     # owns the tokenizer; it sends the end tokens with each request.
     # Bias on the attention output projection (Llama's and Qwen3's attention_bias).
     o_proj_bias: bool = False
+    # None for dense models.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -49,6 +75,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.moe is not None and any(
+            not 0 <= layer < self.num_layers for layer in self.moe.sparse_layers
+        ):
+            raise ValueError(f"sparse layers {self.moe.sparse_layers} outside {self.num_layers} layers")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -105,7 +135,8 @@ class ModelConfig:
                 "config.json has no 'architectures' entry; it does not name the model class"
             )
         architecture = architectures[0]
-        traits = model_class(architecture).hf_traits(cfg)
+        cls_of_model = model_class(architecture)
+        traits = cls_of_model.hf_traits(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         theta, scaling = _hf_rope(cfg)
@@ -126,6 +157,7 @@ class ModelConfig:
             attention_bias=traits.qkv_bias,
             qk_norm=traits.qk_norm,
             o_proj_bias=traits.o_proj_bias,
+            moe=cls_of_model.hf_moe(cfg),
         )
 
     @classmethod

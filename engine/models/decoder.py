@@ -3,6 +3,8 @@
 Pre-norm blocks: RMSNorm -> attention (fused q/k/v, RoPE, paged KV) -> residual
 -> RMSNorm -> SwiGLU MLP (fused gate/up) -> residual. The residual add is
 fused into the following norm (add_rms_norm), as between-layer kernels do.
+In the layers a mixture-of-experts config makes sparse, the MLP is swapped
+for a SparseMoE block (engine/models/moe.py); nothing else changes.
 
 Weights are allocated empty on the target device and filled in place by the
 loaders through weight_destinations(), which names every slot by its Hugging
@@ -20,7 +22,8 @@ from torch import nn
 
 from engine.execution.attention_metadata import AttentionMetadata
 from engine.execution.model_ops import REFERENCE_OPS, ReferenceOps
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, MoEConfig
+from engine.models.moe import QWEN_EXPERT_NAMES, ExpertTensorNames, SparseMoE
 from kernels.reference import build_rope_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -87,6 +90,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    checkpoint_name = "mlp"
+
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -108,13 +113,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, mlp: MLP | SparseMoE, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
         self.self_attn = Attention(config, device, dtype)
         self.post_attention_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
-        self.mlp = MLP(config, device, dtype)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -143,7 +149,7 @@ class DecoderLayer(nn.Module):
             f"{prefix}.input_layernorm.weight": self.input_norm_weight,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_norm_weight,
             **self.self_attn.weight_destinations(f"{prefix}.self_attn"),
-            **self.mlp.weight_destinations(f"{prefix}.mlp"),
+            **self.mlp.weight_destinations(f"{prefix}.{self.mlp.checkpoint_name}"),
         }
 
 
@@ -158,11 +164,18 @@ class CausalLM(nn.Module):
     gguf_architecture: ClassVar[str | None] = None
     # llama.cpp's converter interleaves the rows of attn_q/attn_k for some families.
     gguf_permuted_qk: ClassVar[bool] = False
+    # How checkpoints of a mixture-of-experts architecture name the experts.
+    expert_tensor_names: ClassVar[ExpertTensorNames] = QWEN_EXPERT_NAMES
 
     @classmethod
     def hf_traits(cls, cfg: dict[str, Any]) -> AttentionTraits:
         bias = bool(cfg.get("attention_bias", False))
         return AttentionTraits(qkv_bias=bias, o_proj_bias=bias, qk_norm=False)
+
+    @classmethod
+    def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
+        """The mixture-of-experts facts of config.json; None for a dense model."""
+        return None
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -170,7 +183,8 @@ class CausalLM(nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, device, dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, self._mlp(config, index, device, dtype), device, dtype)
+            for index in range(config.num_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **kw)
         self.lm_head = (
@@ -189,6 +203,12 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cache", rope, persistent=False)
         # The ModelRunner switches this to CudaOps where our kernels can run.
         self.ops: ReferenceOps = REFERENCE_OPS
+
+    def _mlp(self, config: ModelConfig, layer: int, device: torch.device | str,
+             dtype: torch.dtype) -> MLP | SparseMoE:
+        if config.moe is not None and config.moe.is_sparse(layer):
+            return SparseMoE(config, self.expert_tensor_names, device, dtype)
+        return MLP(config, device, dtype)
 
     def forward(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import psutil
 import torch
 
 from engine.execution.chunk_graphs import chunk_graph_tokens
+from engine.execution.cuda_graphs import decode_row_capacity
 from engine.execution.device_state import model_tensors
 from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
 from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
@@ -23,7 +25,9 @@ from engine.kv.kv_manager import KVManager
 from engine.kv.kv_sizing import HostKvPlan, KvPlan, plan_host_kv, plan_kv
 from engine.loader import LoadedModel, load_model
 from engine.loader.pooling import choose_pooling
-from engine.sampling.drafter import NgramDrafter
+from engine.loader.vocabulary import check_same_vocabulary
+from engine.sampling.draft_model import DraftModelDrafter
+from engine.sampling.drafter import Drafter, NgramDrafter
 from engine.sampling.sampler import Sampler
 from engine.scheduling.core import EngineCore
 from engine.scheduling.scheduler import Scheduler
@@ -69,6 +73,9 @@ def build_engine(
         # Our kernels and torch's launch on the current device's stream.
         torch.cuda.set_device(device)
     dtype = resolve_dtype(config)
+    if config.draft_model:
+        # Before any weights load: a draft of another vocabulary is refused at once.
+        check_same_vocabulary(model_path, Path(config.draft_model))
     loaded = load_model(model_path, device, dtype, progress)
     return assemble_engine(loaded, model_path, config, progress, emit)
 
@@ -96,10 +103,17 @@ def assemble_engine(
     sampler = Sampler(device, config.seed, use_kernel=use_kernels)
     served_context = config.max_context or model.max_position_embeddings
     # The ops first: the step whose memory sizes the KV pool runs on them.
+    decode_rows = decode_row_capacity(config.max_concurrency,
+                                      config.draft_tokens if config.spec != "none" else 0)
     loaded.model.ops = make_ops(model, device, use_kernels=use_kernels,
-                                max_batch=config.max_concurrency, max_context=served_context)
+                                max_batch=decode_rows, max_context=served_context)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
     weights_bytes = loaded_weights_bytes(loaded)
+    # Loaded before the step is measured, so the free memory read after it
+    # already leaves out the draft's weights.
+    draft = _load_draft(config, device, dtype, served_context)
+    draft_weights_bytes = loaded_weights_bytes(draft) if draft is not None else 0
+    draft_bytes_per_token = (draft.config.kv_bytes_per_token(dtype) if draft is not None else 0)
     headroom_bytes = config.kv_headroom_mib * 2**20
     budget = None
     cuda_graph = config.cuda_graph and use_kernels
@@ -112,10 +126,12 @@ def assemble_engine(
         )
         budget = kv_budget_bytes(peaks, headroom_bytes, device, cuda_graph,
                                  grant_bytes=config.device_memory_mib * 2**20,
-                                 weights_bytes=weights_bytes)
+                                 weights_bytes=weights_bytes + draft_weights_bytes)
+    # The draft model's KV pool gets as many pages as the target's: the
+    # budget is shared per token between the two.
     plan = plan_kv(
         page_size=config.page_size,
-        bytes_per_token=bytes_per_token,
+        bytes_per_token=bytes_per_token + draft_bytes_per_token,
         trained_context=model.max_position_embeddings,
         requested_context=config.max_context,
         requested_capacity=config.kv_capacity_tokens,
@@ -123,6 +139,8 @@ def assemble_engine(
         prefix_cache_tokens=config.prefix_cache_tokens,
         device_budget_bytes=budget,
     )
+    plan = dataclasses.replace(plan, bytes_per_token=bytes_per_token)
+    drafter = _drafter(config, draft, plan, device, model.vocab_size)
     log.info(
         "KV pool: %d pages of %d tokens (%d tokens, %.1f MiB, %s), context %d, %d lanes",
         plan.num_pages, plan.page_size, plan.capacity_tokens, plan.total_bytes / 2**20,
@@ -136,7 +154,7 @@ def assemble_engine(
         page_size=plan.page_size, sampler=sampler, use_kernels=use_kernels,
         max_batch=config.max_concurrency, max_context=plan.max_context,
         max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
-        host_kv_slots=host_plan.num_slots,
+        host_kv_slots=host_plan.num_slots, decode_rows=decode_rows,
     )
     if host_plan.num_slots:
         log.info("host memory ledger: KV host tier %.1f MiB (%d pages of %d tokens, %s), "
@@ -146,11 +164,13 @@ def assemble_engine(
                  host_plan.limit_bytes / 2**20)
     if device.type == "cuda":
         ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
-                         headroom_bytes, weights_bytes)
+                         headroom_bytes, weights_bytes, draft_weights_bytes, drafter)
         log.info("%s", ledger.describe())
         memory = ledger.facts()
     else:
-        memory = MemoryFacts(weights_bytes=weights_bytes, kv_bytes=plan.total_bytes)
+        draft_kv_bytes = drafter.kv_bytes if isinstance(drafter, DraftModelDrafter) else 0
+        memory = MemoryFacts(weights_bytes=weights_bytes + draft_weights_bytes,
+                             kv_bytes=plan.total_bytes + draft_kv_bytes)
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
@@ -164,13 +184,18 @@ def assemble_engine(
         max_concurrency=config.max_concurrency,
         max_batched_tokens=config.max_batched_tokens,
         max_context=plan.max_context,
-        drafter=(NgramDrafter(config.spec_ngram_min, config.spec_ngram_max)
-                 if config.spec == "ngram" else None),
+        drafter=drafter,
         draft_tokens=config.draft_tokens,
+        max_verify_rows=decode_rows,
     )
-    if config.spec != "none":
+    if config.spec == "ngram":
         log.info("speculative decoding: %s, up to %d draft tokens per step, n-grams %d..%d",
                  config.spec, config.draft_tokens, config.spec_ngram_min, config.spec_ngram_max)
+    elif draft is not None:
+        log.info("speculative decoding: draft model %s (%d layers, %d hidden), up to %d draft "
+                 "tokens per step, its KV pool %d pages (%.1f MiB)", config.draft_model,
+                 draft.config.num_layers, draft.config.hidden_size, config.draft_tokens,
+                 plan.num_pages, plan.num_pages * plan.page_size * draft_bytes_per_token / 2**20)
     core = EngineCore(runner, scheduler, sampler, vocab_size=model.vocab_size, emit=emit)
     pooling, why = choose_pooling(config.pooling, loaded.pooling)
     log.info("embeddings: %s pooling (%s), %d dimensions", pooling, why, model.hidden_size)
@@ -203,6 +228,34 @@ def assemble_engine(
         memory=memory,
     )
     return core, ready
+
+
+def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,
+                served_context: int) -> LoadedModel | None:
+    """The draft model of --spec draft, on the target's device and dtype with
+    the same kind of ops (our kernels where they run), or None."""
+    if config.spec != "draft" or not config.draft_model:
+        return None
+    draft = load_model(Path(config.draft_model), device, dtype)
+    if draft.config.max_position_embeddings < served_context:
+        raise ValueError(
+            f"--draft-model {config.draft_model} was trained for {draft.config.max_position_embeddings} "
+            f"tokens of context, less than the {served_context} served: lower --max-context")
+    draft.model.ops = make_ops(draft.config, device,
+                               use_kernels=kernels_usable(device, dtype, draft.config),
+                               max_batch=config.max_concurrency, max_context=served_context)
+    return draft
+
+
+def _drafter(config: EngineOptions, draft: LoadedModel | None, plan: KvPlan,
+             device: torch.device, target_vocab: int) -> Drafter | None:
+    if config.spec == "ngram":
+        return NgramDrafter(config.spec_ngram_min, config.spec_ngram_max)
+    if draft is None:
+        return None
+    return DraftModelDrafter(draft.model, num_pages=plan.num_pages, page_size=plan.page_size,
+                             max_step_tokens=config.max_batched_tokens,
+                             vocab_limit=min(target_vocab, draft.config.vocab_size), device=device)
 
 
 def _plan_host_tier(config: EngineOptions, plan: KvPlan, device: torch.device) -> HostKvPlan:
@@ -251,7 +304,8 @@ def loaded_weights_bytes(loaded: LoadedModel) -> int:
 
 
 def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
-            kv_tokens: int, headroom_bytes: int, weights_bytes: int) -> MemoryLedger:
+            kv_tokens: int, headroom_bytes: int, weights_bytes: int,
+            draft_weights_bytes: int = 0, drafter: Drafter | None = None) -> MemoryLedger:
     device = runner.device
     free, total = torch.cuda.mem_get_info(device)
     ops = runner.model.ops
@@ -267,5 +321,9 @@ def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
         graph_count=runner.graph_count,
         headroom_bytes=headroom_bytes,
         free_bytes=free,
+        draft_weights_bytes=draft_weights_bytes,
+        draft_kv_bytes=drafter.kv_bytes if isinstance(drafter, DraftModelDrafter) else 0,
+        draft_workspace_bytes=(drafter.workspace_bytes()
+                               if isinstance(drafter, DraftModelDrafter) else 0),
     )
     return ledger

@@ -4,20 +4,33 @@ at a time.
 
 A drafter sees only token ids the host knows (the prompt and the output so
 far, no placeholder) and proposes up to a given number of tokens; an empty
-proposal means "decode this row as usual". Drafters that come later (a draft
-model, MTP or EAGLE heads) answer the same call.
+proposal means "decode this row as usual". A draft model
+(engine/sampling/draft_model.py) keeps state per sequence and drafts a step's
+rows together (BatchDrafter); drafters that come later (MTP or EAGLE heads)
+answer the same calls.
 
 Rows whose next token is drawn from the model's logits as they come (greedy,
 or sampled with temperature, top-k, top-p and min-p) may draft (may_draft);
 engine/sampling/verify.py keeps their tokens distributed exactly as without
-drafts. Rows with something that changes the logits or needs them per
-position (grammar, penalties, logit bias, log probabilities, a reasoning
-budget's forced tokens, prompt scoring, pooling) do not yet.
+drafts. Grammar rows (structured output, forced tool calls) and rows with a
+reasoning budget draft too: the engine cuts a draft before the first token
+the grammar refuses or would end on, and before the first position whose
+token the budget forces (Scheduler.cut_draft), and masks each draft position
+with the grammar's mask after the draft tokens before it
+(engine/sampling/grammar.py), so their tokens are exactly those without
+drafts. Rows with a logit bias, penalties or log probabilities (top
+alternatives, named token ids, "processed" mode) draft too: each draft
+position gets the bias, and penalties whose counts include the draft tokens
+before it (engine/sampling/penalty_state.py, apply_ahead), and reports the
+log probabilities plain decoding would there
+(engine/sampling/draft_logprobs.py). Rows that score their prompt and
+embeddings do not draft.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -37,15 +50,41 @@ class Drafter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """One row's ask of a drafter that drafts a step's rows together."""
+
+    key: str  # the request id, which keys what the drafter keeps per sequence
+    token_ids: Sequence[int]
+    max_tokens: int
+
+
+class BatchDrafter(Drafter, Protocol):
+    """A drafter with per-sequence state (a draft model's KV cache) that
+    drafts all of a step's rows at once (engine/sampling/draft_model.py)."""
+
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
+        """Per row, up to row.max_tokens guesses after row.token_ids."""
+        ...
+
+    def forget(self, key: str) -> None:
+        """The sequence ended: drop what was kept for it."""
+        ...
+
+    def sleep(self) -> None:
+        """The engine sleeps (no requests): release device memory."""
+        ...
+
+    def wake(self) -> None:
+        ...
+
+
 def may_draft(params: SamplingParams) -> bool:
-    """Whether a request's rows may draft: its next token is the argmax of,
-    or a draw from, the raw logits (temperature and truncation only), and
-    nothing is asked of them per position."""
-    return (params.grammar is None and params.reasoning is None
-            and not params.logit_bias and params.logprobs < 0 and params.prompt_logprobs < 0
-            and params.pooling is None and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
-            and params.max_tokens > 0)
+    """Whether a request's rows may draft: everything that shapes or reads
+    its logits (a grammar's mask, a forced token, logit bias, penalties, log
+    probabilities) is handled per draft position; a scored prompt or an
+    embedding is not."""
+    return params.prompt_logprobs < 0 and params.pooling is None and params.max_tokens > 0
 
 
 class NgramDrafter:

@@ -24,12 +24,18 @@ on the device, and its log probabilities are the model's own.
 
 Why not a grammar (the way a forced tool call's structure is held): a
 grammar sees text, not a count of tokens, and the budget is a count.
+
+Speculative decoding (engine/sampling/verify.py): the target's token at a
+draft position counts only while the draft tokens before it were accepted,
+so whether it is forced follows from the known tokens and the draft. A draft
+is cut before the first position whose token would be forced (cut_draft):
+the forced run is sampled one step at a time, as without drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,6 +144,22 @@ class ForcedTokens:
         if plan is None or plan.done:
             return False
         return plan.may_force(seq.num_output_tokens)
+
+    def cut_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """draft up to the first position whose token would be forced: token
+        i of the draft is followed by output token num_output_tokens + i + 1,
+        forced or not as if draft tokens up to i were the model's. Tried on a
+        copy of the plan; every token of seq is known."""
+        plan = self._plans.get(seq.request_id)
+        if plan is None or plan.done or not draft:
+            return draft
+        trial = replace(plan)
+        tokens = list(seq.token_ids)
+        for kept, token in enumerate(draft):
+            tokens.append(token)
+            if trial.forced(tokens, seq.num_prompt_tokens) is not None:
+                return draft[:kept]
+        return draft
 
     def force(self, mask: TokenMask | None, seqs: Seq[Sequence]) -> TokenMask | None:
         """mask (for rows sampled by seqs, row i by seqs[i]; None: no grammar

@@ -16,7 +16,10 @@ with no sync; on the CPU only where a token was seen.
 
 A lane is filled from the sequence's tokens the first time it is sampled
 (and again whenever the lane no longer matches it: after its lane was given
-to another request, or for another Sequence under the same request id).
+to another request, or for another Sequence under the same request id). A
+lane that holds the first of its sequence's tokens but not the newest (a
+verify step's accepted drafts) counts those on top, one at a time as
+sampling them would have.
 After each draw the sampled tokens are added to their lanes with one
 index_add for the batch, and a windowed lane loses the token that leaves its
 window, so the state follows the sequence on the device and a penalty row
@@ -24,6 +27,12 @@ needs nothing from the host: it is sampled ahead of the step before like a
 plain row. Its newest token may still be on the device: a placeholder
 -(slot + 1) in its token ids, read through the `resolve` the model runner
 passes (engine/execution/future_tokens.py), without waiting.
+
+Speculative decoding (engine/sampling/verify.py): at a verify chunk's draft
+positions, apply_ahead penalises with a copy of each lane's counts plus the
+draft tokens the position's context holds (and minus those they push out of
+a window); the lane itself only ever counts the tokens a row keeps, so a
+rejected draft leaves nothing behind.
 
 Memory: lanes x vocab x 5 bytes, allocated at the first penalty request and
 grown LANE_STEP lanes at a time (a lane of a preempted request is taken
@@ -98,32 +107,84 @@ class PenaltyState:
         whose request has penalties, in place; the result's record() must
         then be given the batch's sampled tokens. None when no row has
         penalties. A finished sequence (its token is dropped) is left as is."""
-        rows = [row for row, seq in enumerate(seqs)
-                if seq.params.has_penalties and seq.status is not SeqStatus.FINISHED]
+        rows = _penalty_rows(seqs)
         if not rows:
             return None
-        vocab = logits.shape[1]
-        if self.counts is not None and self.counts.shape[1] != vocab:
-            raise ValueError(f"logits of {vocab} tokens, penalty counts of {self.counts.shape[1]}")
-        taking = {id(seqs[row]) for row in rows}
-        lanes: list[_Lane] = []
-        stale: list[_Lane] = []
-        for row in rows:
-            lane, fresh = self._lane_for(seqs[row], taking, vocab)
-            lanes.append(lane)
-            if not fresh:
-                stale.append(lane)
-        if stale:
-            self._fill(stale, resolve)
-        return self._penalise(logits, rows, [seqs[row] for row in rows], lanes, resolve)
+        chosen = [seqs[row] for row in rows]
+        lanes = self._take_lanes(chosen, logits.shape[1], resolve)
+        return self._penalise(logits, rows, chosen, lanes, resolve)
+
+    def apply_ahead(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                    ahead: Seq[Seq[int]] | None, resolve: Resolve | None = None) -> None:
+        """Penalise, in place, rows of logits (row i for seqs[i]) whose
+        position's context runs past its sequence's tokens by ahead[i] (a
+        verify chunk's draft tokens up to row i's own): as apply() would
+        once those tokens were sampled, without recording anything."""
+        rows = _penalty_rows(seqs)
+        if not rows:
+            return
+        assert ahead is not None, "penalty rows at draft positions need their draft tokens"
+        chosen = [seqs[row] for row in rows]
+        lanes = self._take_lanes(chosen, logits.shape[1], resolve)
+        assert self.counts is not None
+        index = _pairs(rows, [lane.index for lane in lanes], logits.device)
+        counts = self.counts.index_select(0, index[1])
+        # Row k of the copy: each draft token comes in; with a window, the
+        # token it pushes out leaves (a draft token itself past the window).
+        at: list[int] = []
+        ids: list[int] = []
+        signs: list[float] = []
+        for k, (row, seq) in enumerate(zip(rows, chosen, strict=True)):
+            extra = list(ahead[row])
+            window = seq.params.penalty_last_n
+            known = seq.num_tokens
+            for j, token in enumerate(extra):
+                at.append(k)
+                ids.append(token)
+                signs.append(1.0)
+                leaving = known + j - window
+                if window > 0 and leaving >= 0:
+                    at.append(k)
+                    ids.append(seq.token_ids[leaving] if leaving < known else extra[leaving - known])
+                    signs.append(-1.0)
+        if ids:
+            where = _flat(at, ids, counts.shape[1], counts.device, resolve)
+            counts.view(-1).index_add_(0, where, _values(signs, counts))
+        self._penalise_rows(logits, index, chosen, counts)
 
     # ---- lanes ---------------------------------------------------------------
 
+    def _take_lanes(self, seqs: list[Sequence], vocab: int,
+                    resolve: Resolve | None) -> list[_Lane]:
+        """The lane of each of seqs (one may come several times), holding all
+        its tokens: filled afresh, or brought up to date."""
+        if self.counts is not None and self.counts.shape[1] != vocab:
+            raise ValueError(f"logits of {vocab} tokens, penalty counts of {self.counts.shape[1]}")
+        taking = {id(seq) for seq in seqs}
+        lanes: dict[int, _Lane] = {}
+        stale: list[_Lane] = []
+        behind: list[_Lane] = []
+        for seq in seqs:
+            if id(seq) in lanes:
+                continue
+            lane, holds_prefix = self._lane_for(seq, taking, vocab)
+            lanes[id(seq)] = lane
+            if not holds_prefix:
+                stale.append(lane)
+            elif lane.counted < seq.num_tokens:
+                behind.append(lane)
+        if stale:
+            self._fill(stale, resolve)
+        if behind:
+            self._catch_up(behind, resolve)
+        return [lanes[id(seq)] for seq in seqs]
+
     def _lane_for(self, seq: Sequence, taking: set[int], vocab: int) -> tuple[_Lane, bool]:
-        """seq's lane, and whether it already holds seq's tokens."""
+        """seq's lane, and whether it holds the first lane.counted of seq's
+        tokens (tokens are only ever appended to a running sequence)."""
         lane = self._lanes.get(seq.request_id)
         if lane is not None:
-            if lane.seq is seq and lane.counted == seq.num_tokens:
+            if lane.seq is seq and lane.counted <= seq.num_tokens:
                 return lane, True
             lane.seq = seq
             return lane, False
@@ -188,31 +249,37 @@ class PenaltyState:
             self.in_prompt.view(-1).index_fill_(0, _flat(prompt_lanes, prompt_ids, vocab,
                                                          self.device, None), True)
 
+    def _catch_up(self, lanes: list[_Lane], resolve: Resolve | None) -> None:
+        """Count the tokens each lane's sequence gained past lane.counted, as
+        sampling them one at a time would have: each comes in, and with a
+        window the token it pushes out leaves."""
+        assert self.counts is not None
+        at: list[int] = []
+        ids: list[int] = []
+        signs: list[float] = []
+        for lane in lanes:
+            seq = lane.seq
+            window = seq.params.penalty_last_n
+            for position in range(lane.counted, seq.num_tokens):
+                at.append(lane.index)
+                ids.append(seq.token_ids[position])
+                signs.append(1.0)
+                if 0 < window <= position:
+                    at.append(lane.index)
+                    ids.append(seq.token_ids[position - window])
+                    signs.append(-1.0)
+            lane.counted = seq.num_tokens
+        where = _flat(at, ids, self.counts.shape[1], self.device, resolve)
+        self.counts.view(-1).index_add_(0, where, _values(signs, self.counts))
+
     # ---- one batch -----------------------------------------------------------
 
     def _penalise(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
                   lanes: list[_Lane], resolve: Resolve | None) -> AppliedPenalties:
         assert self.counts is not None and self.in_prompt is not None
         device = logits.device
-        settings = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty,
-                                  s.params.presence_penalty] for s in seqs], dtype=torch.float32)
-        settings = settings.to(device, non_blocking=True).to(logits.dtype).T.unsqueeze(2)
-        index = torch.tensor([rows, [lane.index for lane in lanes]], dtype=torch.int64)
-        index = index.to(device, non_blocking=True)
-        every_row = len(rows) == logits.shape[0]
-        chosen = logits if every_row else logits.index_select(0, index[0])
-        counts = self.counts.index_select(0, index[1])
-        # A penalty no row of the batch has is skipped: it would change nothing.
-        seen = (self.in_prompt.index_select(0, index[1])
-                if any(s.params.repetition_penalty != 1.0 for s in seqs) else None)
-        penalise = _penalise_sparse if self.sparse else _penalise_dense
-        chosen = penalise(chosen, counts, seen, settings,
-                          frequency=any(s.params.frequency_penalty for s in seqs),
-                          presence=any(s.params.presence_penalty for s in seqs))
-        if not every_row:
-            logits.index_copy_(0, index[0], chosen)
-        elif chosen is not logits:
-            logits.copy_(chosen)
+        index = _pairs(rows, [lane.index for lane in lanes], device)
+        self._penalise_rows(logits, index, seqs, self.counts.index_select(0, index[1]))
         # Each windowed lane loses the token that leaves its window when the
         # sampled one comes in (if the window is full).
         leaving_lanes: list[int] = []
@@ -226,6 +293,28 @@ class PenaltyState:
         leaving = (_flat(leaving_lanes, leaving_ids, self.counts.shape[1], device, resolve)
                    if leaving_ids else None)
         return AppliedPenalties(self.counts, index, leaving)
+
+    def _penalise_rows(self, logits: torch.Tensor, index: torch.Tensor, seqs: list[Sequence],
+                       counts: torch.Tensor) -> None:
+        """Penalise logits' rows index[0] (of seqs) in place by counts (a
+        copy, used up) and their lanes' (index[1]) in_prompt."""
+        assert self.in_prompt is not None
+        settings = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty,
+                                  s.params.presence_penalty] for s in seqs], dtype=torch.float32)
+        settings = settings.to(logits.device, non_blocking=True).to(logits.dtype).T.unsqueeze(2)
+        every_row = index.shape[1] == logits.shape[0]
+        chosen = logits if every_row else logits.index_select(0, index[0])
+        # A penalty no row of the batch has is skipped: it would change nothing.
+        seen = (self.in_prompt.index_select(0, index[1])
+                if any(s.params.repetition_penalty != 1.0 for s in seqs) else None)
+        penalise = _penalise_sparse if self.sparse else _penalise_dense
+        chosen = penalise(chosen, counts, seen, settings,
+                          frequency=any(s.params.frequency_penalty for s in seqs),
+                          presence=any(s.params.presence_penalty for s in seqs))
+        if not every_row:
+            logits.index_copy_(0, index[0], chosen)
+        elif chosen is not logits:
+            logits.copy_(chosen)
 
 
 def _penalise_dense(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None,
@@ -288,6 +377,21 @@ class AppliedPenalties:
             where = torch.cat((where, self._leaving))
             ones = torch.cat((ones, torch.full_like(self._leaving, -1, dtype=self._counts.dtype)))
         self._counts.view(-1).index_add_(0, where, ones)
+
+
+def _penalty_rows(seqs: Seq[Sequence]) -> list[int]:
+    """Rows of seqs with penalties; a finished sequence (its token is dropped) has none."""
+    return [row for row, seq in enumerate(seqs)
+            if seq.params.has_penalties and seq.status is not SeqStatus.FINISHED]
+
+
+def _pairs(rows: list[int], lanes: list[int], device: torch.device) -> torch.Tensor:
+    """int64 [2, P] on the device: logits rows, their lanes."""
+    return torch.tensor([rows, lanes], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _values(signs: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(signs, dtype=like.dtype).to(like.device, non_blocking=True)
 
 
 def _flat(lanes: list[int], ids: list[int], vocab: int, device: torch.device,

@@ -126,14 +126,24 @@ class Sampler:
 
     @torch.inference_mode()
     def draw_targets(self, logits: torch.Tensor, seqs: Seq[Sequence],
-                     positions: Seq[int]) -> torch.Tensor:
+                     positions: Seq[int], mask: TokenMask | None = None, *,
+                     ahead: Seq[Seq[int]] | None = None, resolve: Resolve | None = None
+                     ) -> torch.Tensor:
         """Speculative verification (engine/sampling/verify.py): int64 [D] on
         the device, one token per draft position drawn from the row's final
-        distribution (the argmax for a greedy row). Drafting rows have no
-        mask, bias or penalty, so the logits are used as they come.
+        distribution (the argmax for a greedy row). mask, if any, holds the
+        grammar rows' masks, one per draft position (EngineGrammar.fill_drafts),
+        applied first as in sample(); then each row's logit bias and
+        penalties, in place, the penalty counts taking in ahead[i]: the draft
+        tokens row i's context holds past its sequence's tokens
+        (PenaltyState.apply_ahead).
         positions[i] is the output index of row i's token: the kernel keys
         the row's random stream by it, as it keys a plain decode step's; the
         reference path draws from the request's generator, in row order."""
+        if mask is not None:
+            mask.apply(logits)
+        self._apply_bias(logits, seqs)
+        self.penalties.apply_ahead(logits, seqs, ahead, resolve)
         if self.use_kernel:
             if all(seq.params.greedy for seq in seqs):
                 return logits.argmax(dim=-1)

@@ -50,6 +50,15 @@ class TokenMask:
             xgrammar.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1],
                                                  indices=self.rows)
 
+    def window(self, first: int, count: int) -> TokenMask | None:
+        """The mask of logits rows first..first + count - 1, renumbered from
+        0 (a verify step's draft rows get their logits a slice at a time);
+        None when none of them is masked. Forced tokens are not carried."""
+        rows = [row - first for row in self.rows if first <= row < first + count]
+        if not rows:
+            return None
+        return TokenMask(self.bitmask[first : first + count], rows)
+
     def force(self, logits: torch.Tensor) -> None:
         """Leave each forced row one finite logit, its token's, in place. The
         sampler calls it last, after logit_bias and penalties, so that no bias

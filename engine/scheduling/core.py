@@ -44,6 +44,11 @@ decode row may draft, each turn completes the step in flight before it
 schedules: the loop runs synchronously (no overlap on a GPU; none is lost on
 the CPU). A verify step's drafts are checked when it completes
 (engine/sampling/verify.py) and a row's output carries all its accepted tokens.
+A grammar row's draft is cut where its grammar refuses it, and a reasoning
+budget's where a forced token would fall (Scheduler.cut_draft); the masks of
+its draft positions are filled while the device runs the verify step's
+forward pass (ModelRunner.forward's draft_masks), and its matcher takes all
+the tokens the step emitted for it when the step completes.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 
@@ -63,6 +69,7 @@ from engine.sampling.grammar import EngineGrammar, GrammarCompileError, GrammarE
 from engine.sampling.logprobs import PromptScores
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
+from engine.sampling.verify import accept_drafts
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from engine.scheduling.slot_actions import SlotActions
@@ -94,6 +101,10 @@ log = logging.getLogger(__name__)
 
 # How long an idle loop waits for a command before checking invariants again.
 IDLE_WAIT_SECONDS = 1.0
+# How long a loop with nothing to run but disk reads to wait for (a request
+# waiting on its restore: engine/kv/disk_restore.py) sleeps before it looks
+# at its commands again.
+DISK_WAIT_SECONDS = 0.005
 
 
 @dataclass
@@ -116,6 +127,40 @@ class InFlight:
     pooled: PooledVectors | None = None
     # The target's tokens at its draft positions (StepForward.verified).
     verified: SampledTokens | None = None
+
+
+def _drafted_tokens(sampling: list[ScheduledChunk], sampled: list[int],
+                    verified: list[int]) -> dict[str, list[int]]:
+    """Per grammar row of a verify step, by request id, the tokens it emitted
+    after its sampled one: its accepted draft tokens and the free one after
+    them. verified holds the target's tokens at the draft rows, in chunk order."""
+    emitted: dict[str, list[int]] = {}
+    targets = iter(verified)
+    for chunk, token in zip(sampling, sampled, strict=True):
+        if not chunk.draft:
+            continue
+        row_targets = [next(targets) for _ in chunk.draft]
+        if chunk.seq.params.grammar is not None:
+            emitted[chunk.seq.request_id] = accept_drafts(token, chunk.draft, row_targets)[1:]
+    return emitted
+
+
+def _draft_logprobs(chunks: list[ScheduledChunk], verified: SampledTokens | None
+                    ) -> dict[int, list[TokenLogprobs]]:
+    """Per chunk (by id) whose row asks for log probabilities, those of the
+    target's tokens at its draft positions (engine/sampling/draft_logprobs.py),
+    in order; read after verified.tolist()."""
+    found: dict[int, list[TokenLogprobs]] = {}
+    if verified is None:
+        return found
+    per_row = verified.logprobs()
+    row = 0
+    for chunk in chunks:
+        entries = per_row[row : row + len(chunk.draft)]
+        row += len(chunk.draft)
+        if chunk.draft and chunk.seq.params.logprobs >= 0:
+            found[id(chunk)] = [entry for entry in entries if entry is not None]
+    return found
 
 
 def _take_cache_hits(seq: Sequence) -> CacheHits | None:
@@ -141,6 +186,7 @@ class EngineCore:
         self.emit = emit
         self.grammar = EngineGrammar(vocab_size, runner.device)
         self.forced = ForcedTokens()
+        scheduler.cut_draft = self._cut_draft
         self.step_count = 0
         self._in_flight: InFlight | None = None
         self._last_completed_at = 0.0
@@ -221,6 +267,8 @@ class EngineCore:
             self._publish()
         pages = scheduler.kv.pool.cached_pages()
         started = time.perf_counter()
+        if hasattr(scheduler.drafter, "sleep"):
+            scheduler.drafter.sleep()  # type: ignore[union-attr]  # a draft model's memory
         host_bytes = self.runner.sleep(command.weights, pages)
         seconds = time.perf_counter() - started
         self._kept_pages = len(pages)
@@ -238,6 +286,8 @@ class EngineCore:
         # A failure here (out of device memory, an unreadable model file) leaves
         # the engine without weights or KV: it propagates and ends the engine.
         self.runner.wake()
+        if hasattr(self.scheduler.drafter, "wake"):
+            self.scheduler.drafter.wake()  # type: ignore[union-attr]
         seconds = time.perf_counter() - started
         self._kept_pages = None
         log.info("awake in %.2fs", seconds)
@@ -374,16 +424,21 @@ class EngineCore:
         out = self.scheduler.schedule()
         # Pages the scheduling moved between the device and the host tier:
         # copied before this step's forward pass reads or overwrites them.
-        transfers = self.scheduler.kv.take_transfers()
+        kv = self.scheduler.kv
+        transfers = kv.take_transfers()
         if transfers:
             self.runner.move_kv(transfers)
+        if out.is_empty and self._in_flight is None and not self._pending and kv.restoring:
+            # Nothing runs until a disk read lands: wait for one, briefly.
+            kv.wait_for_reads(DISK_WAIT_SECONDS)
+            return
         forward: StepForward | None = None
         launched: InFlight | None = None
         parts: list[tuple[list[int] | None, SampledTokens]] = []
         put_off: list[int] = []
         if not out.is_empty:
             launched_at = time.perf_counter()
-            forward = self.runner.forward(out)
+            forward = self.runner.forward(out, self._draft_masks(out))
             first_slot = self.runner.future.next_slots()
             sampling = [chunk.seq for chunk in out.chunks if chunk.samples]
             put_off = [row for row, seq in enumerate(sampling) if self._needs_host_tokens(seq)]
@@ -413,6 +468,20 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._complete(previous)
+
+    def _cut_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """seq's draft (all its tokens known) before a position whose token a
+        reasoning budget forces, and before a token its grammar refuses."""
+        return self.grammar.cut_draft(seq, self.forced.cut_draft(seq, draft))
+
+    def _draft_masks(self, out: SchedulerOutput) -> Callable[[], TokenMask | None] | None:
+        """The fill of a verify step's draft-row masks, for the runner to call
+        while the device runs the forward pass; None without a grammar row
+        among the drafting ones."""
+        drafted = [(chunk.seq, chunk.draft) for chunk in out.chunks if chunk.draft]
+        if not any(seq.params.grammar is not None for seq, _ in drafted):
+            return None
+        return partial(self.grammar.fill_drafts, drafted)
 
     def _needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a sampling row needs its newest token on the host before
@@ -459,9 +528,11 @@ class EngineCore:
         gone = {id(chunk.seq) for chunk in out.chunks if chunk.seq.status is SeqStatus.FINISHED}
         live = [(chunk.seq, token) for chunk, token in zip(sampling, sampled, strict=True)
                 if id(chunk.seq) not in gone]
-        verdict = self.grammar.accept([seq for seq, _ in live], [token for _, token in live])
         verified = flight.verified.tolist() if flight.verified is not None else []
+        drafted = _drafted_tokens(sampling, sampled, verified) if verified and len(self.grammar) else None
+        verdict = self.grammar.accept([seq for seq, _ in live], [token for _, token in live], drafted)
         changed = self.scheduler.complete(out, sampled, verdict.completed, verified)
+        draft_logprobs = _draft_logprobs(out.chunks, flight.verified)
         # Progress first, so a prompt's last report (all of it processed)
         # arrives before its first token.
         # (A sequence preempted since launch reports again when recomputed.)
@@ -485,8 +556,10 @@ class EngineCore:
                 continue
             row_logprobs = logprobs_of.get(id(chunk))
             end = chunk.token_index + 1 + chunk.accepted
-            output = self._output(seq, seq.token_ids[chunk.token_index:end],
-                                  [row_logprobs] if row_logprobs else [])
+            token_logprobs = [row_logprobs] if row_logprobs else []
+            if row_logprobs and chunk.accepted:
+                token_logprobs += draft_logprobs[id(chunk)][: chunk.accepted]
+            output = self._output(seq, seq.token_ids[chunk.token_index:end], token_logprobs)
             if chunk.draft:
                 output.num_draft_tokens = len(chunk.draft)
                 output.num_draft_accepted = chunk.accepted

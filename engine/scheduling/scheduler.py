@@ -6,7 +6,9 @@ Each step, in this order:
 2. running sequences still prefilling get chunks from what budget is left;
 3. waiting sequences are admitted in arrival order while there is a free
    lane, budget and KV (KVManager.try_admit); the first one that doesn't fit
-   stops admission, so nobody is overtaken and starved.
+   stops admission, so nobody is overtaken and starved. One whose prefix is
+   being read back from the disk tier waits aside meanwhile (it fit when
+   its reads began) and takes its place in the order again once they end.
 When a decoding sequence needs a page and none is free, the most recently
 admitted running sequence is preempted: its pages are released (full ones stay
 in the prefix cache), and it goes back to the front of the queue, to be
@@ -36,11 +38,12 @@ dropped (complete() skips finished sequences).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager
-from engine.sampling.drafter import Drafter, may_draft
+from engine.sampling.draft_length import DraftLength
+from engine.sampling.drafter import Drafter, DraftRow, may_draft
 from engine.sampling.verify import accept_drafts
 from engine.scheduling.lanes import Lanes
 from engine.scheduling.sequence import SeqStatus, Sequence
@@ -95,6 +98,7 @@ class Scheduler:
         max_context: int,
         drafter: Drafter | None = None,
         draft_tokens: int = 0,
+        max_verify_rows: int = 0,
     ):
         self.kv = kv
         # Speculative decoding (off: None): decode rows that may draft (greedy
@@ -102,6 +106,18 @@ class Scheduler:
         # to draft_tokens guesses verified per step.
         self.drafter = drafter if draft_tokens > 0 else None
         self.draft_tokens = draft_tokens
+        # The most tokens a verify step may hold (0: no bound): the decode
+        # rows the runner's graphs take (engine/execution/step_inputs.py). A
+        # larger one, or one beside prompt chunks, runs eagerly, and there
+        # drafts cost more than they give; so they are left out.
+        self.max_verify_rows = max_verify_rows
+        # Steps scheduled: the clock switched-off rows probe again by
+        # (engine/sampling/draft_length.py), the same for every row.
+        self.clock = 0
+        # The engine's cut of a row's draft (EngineCore sets it): before the
+        # first token its grammar refuses, or a position whose token a
+        # reasoning budget forces; None: drafts are kept whole.
+        self.cut_draft: Callable[[Sequence, list[int]], list[int]] | None = None
         self.max_concurrency = max_concurrency
         self.max_batched_tokens = max_batched_tokens
         self.max_context = max_context
@@ -116,6 +132,8 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            seq.draft_length = DraftLength(self.draft_tokens)
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -128,9 +146,13 @@ class Scheduler:
     def wants_drafts(self) -> bool:
         """Whether a running decode row may draft in the next step: it can
         only once every token of it is on the host, so the engine completes
-        the step in flight before scheduling (engine/scheduling/core.py)."""
+        the step in flight before scheduling (engine/scheduling/core.py).
+        Rows whose drafts do not pay are switched off for a while
+        (engine/sampling/draft_length.py), so the loop overlaps again."""
         return self.drafter is not None and any(
-            not seq.is_prefilling and may_draft(seq.params) for seq in self.running)
+            not seq.is_prefilling and may_draft(seq.params)
+            and seq.draft_length is not None and seq.draft_length.allows(self.clock)
+            for seq in self.running) and self._may_verify_next()
 
     @property
     def num_prefilling(self) -> int:
@@ -155,6 +177,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
+        self.clock += 1
 
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
@@ -184,14 +207,20 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, count))
                 budget -= count
 
+        # Disk reads done meanwhile; a request whose restore ended may go in.
+        self.kv.poll_restores()
         while self.waiting and budget > 0 and len(self.running) < self.max_concurrency:
             # The first in arrival order whose lane is free: one pinned to a
-            # busy lane (id_slot) waits for it without holding up the rest.
-            seq = next((s for s in self.waiting if self.lanes.can_admit(s)), None)
+            # busy lane (id_slot) waits for it without holding up the rest,
+            # and so does one whose prefix is being read from disk.
+            seq = next((s for s in self.waiting if self.lanes.can_admit(s)
+                        and not self.kv.is_restoring(s)), None)
             if seq is None:
                 break
             first_admission = seq.num_output_tokens == 0 and not seq.block_table
             if not self.kv.try_admit(seq):
+                if self.kv.is_restoring(seq):
+                    continue  # its disk reads just started (KVManager.try_admit)
                 break
             self.waiting.remove(seq)
             self.lanes.assign(seq)
@@ -203,7 +232,7 @@ class Scheduler:
             count = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, count))
             budget -= count
-        if out.is_empty and self.has_work() and not self.running:
+        if out.is_empty and self.has_work() and not self.running and not self.kv.restoring:
             # Cannot happen while max_context fits in the pool (kv_sizing
             # guarantees it); fail loudly rather than spin.
             raise RuntimeError(f"scheduler stalled: {self.waiting[0]!r} can never be admitted")
@@ -229,23 +258,73 @@ class Scheduler:
         the token budget left after every decode row got its token and within
         the pages the pool can give without preempting; returns the budget
         left. A draft never runs past max_tokens or the context: all of it
-        and the free token after it must fit."""
+        and the free token after it must fit. Each row drafts at most its
+        DraftLength's limit, which learns from what the row's drafts keep."""
         assert self.drafter is not None
+        if self.max_verify_rows:
+            if not self._may_verify_next():
+                return budget
+            budget = min(budget, self.max_verify_rows - len(out.chunks))
+        batched = self._propose_batch(out, budget) if hasattr(self.drafter, "propose_batch") \
+            else None
         for chunk in out.chunks:
             if budget <= 0:
                 break
             seq = chunk.seq
-            if not may_draft(seq.params) or seq.has_pending_token:
+            control = seq.draft_length
+            if not may_draft(seq.params) or seq.has_pending_token or control is None:
                 continue
-            limit = min(self.draft_tokens, budget,
-                        seq.params.max_tokens - seq.num_output_tokens - 1,
-                        self.max_context - seq.num_tokens - 1)
-            draft = self.drafter.propose(seq.token_ids, limit) if limit > 0 else []
+            limit = min(self._draft_limit(seq), budget)
+            if batched is not None:
+                draft = batched.get(seq.request_id, [])[: max(limit, 0)]
+            else:
+                draft = self.drafter.propose(seq.token_ids, limit) if limit > 0 else []
+            if draft and self.cut_draft is not None:
+                draft = self.cut_draft(seq, draft)
+            if limit > 0 and not draft:
+                # Nothing to guess, yet the step ran without overlap for it.
+                control.record(0, 0, self.clock)
             if draft and self.kv.try_grow(seq, chunk.start + 1 + len(draft)):
                 chunk.draft = draft
                 chunk.num_tokens += len(draft)
                 budget -= len(draft)
         return budget
+
+    def _may_verify_next(self) -> bool:
+        """Whether the next step may verify drafts: no prompt chunk will run
+        beside them and its decode rows leave room under max_verify_rows."""
+        if not self.max_verify_rows:
+            return True
+        return (len(self.running) < self.max_verify_rows
+                and not any(seq.is_prefilling for seq in self.running))
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """The most draft tokens seq may take: its DraftLength's limit, and
+        all of the draft and the free token after it within max_tokens and
+        the context."""
+        assert seq.draft_length is not None
+        return min(seq.draft_length.limit(self.clock),
+                   seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_context - seq.num_tokens - 1)
+
+    def _propose_batch(self, out: SchedulerOutput, budget: int) -> dict[str, list[int]]:
+        """A batch drafter's drafts (a draft model's: all rows in one pass per
+        position) for the rows _add_drafts asks, by request id, each within
+        the budget left if every row before it takes its whole draft."""
+        rows: list[DraftRow] = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if budget <= 0:
+                break
+            if (not may_draft(seq.params) or seq.has_pending_token
+                    or seq.draft_length is None):
+                continue
+            limit = min(self._draft_limit(seq), budget)
+            if limit > 0:
+                rows.append(DraftRow(seq.request_id, seq.token_ids, limit))
+                budget -= limit
+        drafts = self.drafter.propose_batch(rows) if rows else []  # type: ignore[union-attr]
+        return {row.key: draft for row, draft in zip(rows, drafts, strict=True)}
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """seq's tokens so far (a pending one included) reach max_tokens or the context."""
@@ -317,7 +396,8 @@ class Scheduler:
                 seq.token_ids[chunk.token_index] = token
             reason = None
             if chunk.draft and token is not None:
-                reason = self._accept_draft(chunk, token, row_targets)
+                reason = self._accept_draft(chunk, token, row_targets,
+                                            seq.request_id in completed)
             if seq.status is SeqStatus.RUNNING:
                 # Every token the cache holds is known now (the next step's
                 # input is this step's sample), so full pages can be hashed.
@@ -344,21 +424,29 @@ class Scheduler:
                 self._finish(seq, reason)
         return changed
 
-    def _accept_draft(self, chunk: ScheduledChunk, token: int, targets: list[int]) -> str | None:
+    def _accept_draft(self, chunk: ScheduledChunk, token: int, targets: list[int],
+                      grammar_done: bool = False) -> str | None:
         """Append the draft tokens the target agrees with after token (the
         chunk's sampled one), up to the first that ends the sequence, and cut
-        its computed tokens back to them. Returns why it ends, or None."""
+        its computed tokens back to them. Returns why it ends, or None.
+        grammar_done: the row's grammar ended with the last token the step
+        emitted (never before: no draft holds a token that ends it)."""
         seq = chunk.seq
         # A row drafts only with every token on the host, and nothing is
         # scheduled for it before this step completes: its placeholder is last.
         assert chunk.token_index == seq.num_tokens - 1, "a drafted row got another placeholder"
         reason = self._finish_reason(seq, token, seq.num_tokens)
-        for extra in accept_drafts(token, chunk.draft, targets)[1:]:
+        emitted = accept_drafts(token, chunk.draft, targets)
+        for extra in emitted[1:]:
             if reason is not None:
                 break
             seq.token_ids.append(extra)
             chunk.accepted += 1
             reason = self._finish_reason(seq, extra, seq.num_tokens)
+        if grammar_done and chunk.accepted == len(emitted) - 1:
+            reason = "stop"  # as for a plain row: the grammar's end outranks the length
+        if seq.draft_length is not None:
+            seq.draft_length.record(len(chunk.draft), chunk.accepted, self.clock)
         if seq.status is SeqStatus.RUNNING:
             # The cache holds K/V for the chunk's first token and the accepted
             # drafts; the rejected positions past them are written over later.
@@ -386,6 +474,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.lanes.release(seq, finished=True)
         self.kv.free(seq)
+        if hasattr(self.drafter, "forget"):
+            self.drafter.forget(seq.request_id)  # type: ignore[union-attr]  # its draft KV
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]
         del self._by_id[seq.request_id]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 
+from engine.sampling.draft_length import DraftLength
 from protocol import CacheHits, FinishReason, SamplingParams
 
 
@@ -22,6 +23,7 @@ class Sequence:
         "block_hashes",
         "block_table",
     "cache_hits",
+        "draft_length",
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -54,6 +56,9 @@ class Sequence:
         # Prompt positions whose next token's log probabilities a scheduled
         # step computes (SamplingParams.prompt_logprobs); never scored twice.
         self.num_prompt_scored = 0
+        # How many tokens it drafts next, under speculative decoding (the
+        # scheduler's, from its recent acceptance); None: it never drafts.
+        self.draft_length: DraftLength | None = None
         self.finish_reason: FinishReason | None = None
 
     def __repr__(self) -> str:

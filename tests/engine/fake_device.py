@@ -17,6 +17,7 @@ relies on:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,8 @@ class FakeDevice:
 
     # ---- EngineCore's calls -------------------------------------------------
 
-    def forward(self, out: SchedulerOutput) -> FakeForward:
+    def forward(self, out: SchedulerOutput,
+                draft_masks: Callable[[], TokenMask | None] | None = None) -> FakeForward:
         self.launches += 1
         inputs = build_step_inputs(out, self.page_size)
         ids = inputs.input_ids.copy()
@@ -108,6 +110,8 @@ class FakeDevice:
             verified = SampledTokens([
                 self._model_token(inputs, row, seq_row) for row, seq_row in
                 zip(inputs.draft_rows, self._rows_of(inputs, inputs.draft_rows), strict=True)])
+            mask = draft_masks() if draft_masks is not None else None
+            assert mask is None, "the toy model has no grammar vocabulary"
         return FakeForward(inputs, rows if inputs.sample_rows else None, self.launches,
                            verified=verified)
 

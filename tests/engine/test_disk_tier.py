@@ -4,15 +4,18 @@ engine/kv/disk_pages.py) without a model: host slots are plain bytearrays."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from engine.kv import disk_reader
 from engine.kv.block_hash import ROOT_HASH, hash_page
 from engine.kv.block_pool import BlockPool
 from engine.kv.disk_pages import PageRead, page_header, read_page
-from engine.kv.disk_tier import DiskTier
+from engine.kv.disk_restore import DiskRestores
+from engine.kv.disk_tier import WRITER_THREADS, DiskTier
 from engine.kv.host_tier import HostTier
 from engine.kv.kv_manager import KVManager
 from engine.scheduling.sequence import Sequence
@@ -42,11 +45,12 @@ def tokens(n: int) -> tuple[int, ...]:
     return (n, n + 1)
 
 
-def make_tier(directory: Path, pages: int, slots: Slots) -> DiskTier:
+def make_tier(directory: Path, pages: int, slots: Slots, restore_seconds: float = 10.0
+              ) -> DiskTier:
     probe = page_header(FORMAT, h(0), tokens(0), bytes(PAGE_BYTES))
     return DiskTier(directory, kv_format=FORMAT, page_size=PAGE, page_bytes=PAGE_BYTES,
-                    budget_bytes=pages * (len(probe) + PAGE_BYTES), restore_seconds=1.0,
-                    memory=slots)
+                    budget_bytes=pages * (len(probe) + PAGE_BYTES),
+                    restore_seconds=restore_seconds, memory=slots)
 
 
 def spill(tier: DiskTier, slots: Slots, n: int) -> None:
@@ -55,10 +59,23 @@ def spill(tier: DiskTier, slots: Slots, n: int) -> None:
     assert tier.flush(10)
 
 
+def restore(tier: DiskTier, host: HostTier, pages: list[int]) -> DiskRestores:
+    """Restore pages for one request, waiting until the restore ends."""
+    restores = DiskRestores(tier, host, BlockPool(1, page_size=PAGE))
+    assert restores.start("r", [], [], [(ROOT_HASH, h(n), tokens(n)) for n in pages])
+    while restores.restoring("r"):
+        restores.wait(1.0)
+        restores.poll()
+    return restores
+
+
 def read(tier: DiskTier, host: HostTier, n: int) -> bytes | None:
-    slot = tier.read(host, h(n), tokens(n), time.monotonic() + 10)
-    host.take_transfers()
-    return None if slot is None else bytes(tier.memory.slot_view(slot))
+    restores = restore(tier, host, [n])
+    slot = host.find(h(n), tokens(n))
+    read = restores.read_pages("r") == {h(n)}
+    restores.finish("r")
+    host.check_invariants()
+    return bytes(tier.memory.slot_view(slot)) if read and slot is not None else None
 
 
 def test_a_page_file_reads_back_only_as_written(tmp_path: Path) -> None:
@@ -124,12 +141,18 @@ def test_a_restart_finds_the_files_in_their_lru_order(tmp_path: Path) -> None:
 
 def test_a_restore_past_its_deadline_reads_nothing(tmp_path: Path) -> None:
     slots = Slots(4)
-    tier = make_tier(tmp_path, 4, slots)
+    tier = make_tier(tmp_path, 4, slots, restore_seconds=0.0)
     spill(tier, slots, 1)
     host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
-    assert tier.read(host, h(1), tokens(1), time.monotonic() - 1) is None
-    assert tier.counters.deadline_hits == 1 and tier.counters.hit_pages == 0
-    assert host.num_cached == 0
+    restores = restore(tier, host, [1])
+    assert restores.read_pages("r") == set()
+    assert tier.counters.deadline_hits == 1 and tier.counters.bytes_read == 0
+    restores.finish("r")
+    restores.wait(1.0)  # the readers skip the page and hand its slot back
+    restores.poll()
+    assert host.num_cached == host.num_reserved == 0
+    restores.check_invariants()
+    host.check_invariants()
     tier.close()
 
 
@@ -208,6 +231,10 @@ def test_a_waiting_request_reads_nothing_and_each_admission_counts_a_page_in_one
     kv.check_invariants([blocker])
 
     kv.free(blocker)
+    assert not kv.try_admit(again) and kv.is_restoring(again)  # it fits: the reads begin
+    while kv.is_restoring(again):
+        kv.wait_for_reads(1.0)
+        kv.poll_restores()
     assert kv.try_admit(again)
     assert disk.counters.bytes_read == disk.file_bytes  # the one disk page, once
     assert again.cache_hits == CacheHits(device=2, host=4, disk=2)
@@ -220,3 +247,142 @@ def test_a_waiting_request_reads_nothing_and_each_admission_counts_a_page_in_one
     assert len(host.take_transfers().loads) == 3  # host and disk pages to the device
     kv.check_invariants([again])
     disk.close()
+
+
+def test_reserved_slots_belong_to_no_page_and_held_pages_are_not_evicted() -> None:
+    host = HostTier(3, page_size=PAGE, page_bytes=PAGE_BYTES)
+    evicted: list[bytes] = []
+    host.on_evict = lambda slot, page_hash, toks: evicted.append(page_hash)
+    for n in (1, 2, 3):
+        host.store(h(n), tokens(n))
+    host.take_transfers()
+    host.hold(h(1))  # the least recently used, kept for a waiting request
+    reserved = host.reserve()
+    assert reserved is not None and evicted == [h(2)]  # not page 1
+    assert host.find(h(9), tokens(9)) is None and host.num_reserved == 1
+    host.check_invariants()
+    assert host.fill(reserved, h(9), tokens(9)) == reserved
+    assert host.find(h(9), tokens(9)) == reserved and host.num_reserved == 0
+    # A page the device evicted to the tier while it was read: the read's
+    # slot is freed and the page's own slot serves.
+    other = host.reserve()
+    assert other is not None
+    assert host.fill(other, h(9), tokens(9)) == reserved
+    host.hold(h(9))
+    host.hold(h(3))
+    assert host.reserve() is not None  # a free slot (the one fill gave back)
+    assert host.reserve() is None  # every page held
+    host.release(h(1))
+    assert host.reserve() is not None and evicted[-1] == h(1)
+    host.check_invariants()
+
+
+def test_a_read_that_fails_frees_its_slot_and_ends_the_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slots = Slots(4)
+    tier = make_tier(tmp_path, 4, slots)
+    for n in (1, 2):
+        spill(tier, slots, n)
+
+    def failing(path: Path, *args: object) -> PageRead:
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(disk_reader, "read_page", failing)
+    host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
+    restores = restore(tier, host, [1, 2])
+    assert restores.read_pages("r") == set()
+    restores.finish("r")
+    for _ in range(10):  # the second read may come back after the first ended it
+        if not host.num_reserved:
+            break
+        restores.wait(1.0)
+        restores.poll()
+    assert host.num_reserved == host.num_cached == 0
+    assert tier.counters.deadline_hits == tier.counters.bytes_read == 0
+    assert h(1) not in tier.cached_hashes()  # forgotten: its tokens are computed
+    restores.check_invariants()
+    tier.close()
+
+
+def test_a_page_still_waiting_for_the_writer_is_found_and_read_from_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    released = threading.Event()
+    write = DiskTier._write
+
+    def slow_write(self: DiskTier, *args: object) -> None:
+        assert released.wait(30)
+        write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskTier, "_write", slow_write)
+    slots = Slots(4)
+    tier = make_tier(tmp_path, 4, slots)
+    slots.memory[0][:] = bytes([7]) * PAGE_BYTES
+    tier.spill(0, h(7), tokens(7))
+    slots.memory[0][:] = bytes(PAGE_BYTES)  # the slot reused at once
+    assert tier.find(h(7)) and not (tmp_path / h(7).hex()).exists()
+    host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
+    assert read(tier, host, 7) == bytes([7]) * PAGE_BYTES
+    assert tier.counters.bytes_read == 0  # nothing came from the disk
+    released.set()
+    assert tier.flush(10) and (tmp_path / h(7).hex()).exists()
+    tier.close()
+
+
+def test_pages_are_written_in_parallel_and_flush_waits_for_every_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WRITER_THREADS > 1
+    inside = threading.Barrier(WRITER_THREADS, timeout=10)
+    released, first_done = threading.Event(), threading.Event()
+    write = DiskTier._write
+
+    def gated_write(self: DiskTier, *args: object) -> None:
+        arrival = inside.wait()  # every writer is inside a write at once
+        if arrival:
+            assert released.wait(30)
+        write(self, *args)  # type: ignore[arg-type]
+        if not arrival:
+            first_done.set()
+
+    monkeypatch.setattr(DiskTier, "_write", gated_write)
+    slots = Slots(WRITER_THREADS)
+    tier = make_tier(tmp_path, WRITER_THREADS, slots)
+    for n in range(WRITER_THREADS):
+        slots.memory[n][:] = bytes([n]) * PAGE_BYTES
+        tier.spill(n, h(n), tokens(n))
+    assert first_done.wait(10)
+    assert not tier.flush(0.3)  # the others are still writing
+    released.set()
+    assert tier.flush(10)
+    assert tier.counters.written_pages == WRITER_THREADS and tier.counters.dropped_pages == 0
+    host = HostTier(WRITER_THREADS, page_size=PAGE, page_bytes=PAGE_BYTES)
+    for n in range(WRITER_THREADS):
+        assert read(tier, host, n) == bytes([n]) * PAGE_BYTES
+    tier.close()
+
+
+def test_shutdown_with_a_full_queue_writes_in_parallel_within_its_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pages, seconds, write_seconds = 80, 1.0, 0.1
+    write = DiskTier._write
+
+    def slow_write(self: DiskTier, *args: object) -> None:
+        time.sleep(write_seconds)
+        write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskTier, "_write", slow_write)
+    monkeypatch.setattr("engine.kv.disk_tier.WRITE_QUEUE_BYTES", pages * PAGE_BYTES)
+    slots = Slots(1)
+    tier = make_tier(tmp_path, pages + 1, slots)
+    for n in range(pages + 1):
+        slots.memory[0][:] = bytes([n]) * PAGE_BYTES
+        tier.spill(0, h(n), tokens(n))
+    assert tier.counters.dropped_pages == 1  # the queue was full
+    started = time.monotonic()
+    tier.persist(HostTier(1, page_size=PAGE, page_bytes=PAGE_BYTES), seconds)
+    # The bound, plus the writes under way when it passed.
+    assert time.monotonic() - started < seconds + 2 * write_seconds + 0.3
+    written = tier.counters.written_pages
+    # One writer would manage seconds / write_seconds pages.
+    assert 2 * seconds / write_seconds < written < pages
+    assert len([p for p in tmp_path.iterdir() if not p.name.endswith(".tmp")]) == written
+    assert sum(tier.find(h(n)) for n in range(pages + 1)) == written  # the rest forgotten

@@ -114,7 +114,10 @@ def test_a_prefix_restored_on_cuda_matches_a_device_hit_bit_for_bit(qwen3_bf16: 
     core, events = make_engine(qwen3_bf16)
     tier = core.scheduler.kv.host
     assert tier is not None and core.runner.host_kv is not None and core.runner.host_kv.pinned
-    conversation = prompt(1)
+    # One token past a page boundary: the device hit then covers whole pages
+    # only, as a restore from the tier does (a partial last page is reused on
+    # the device alone), so both compute the same tokens.
+    conversation = prompt(1, 18 * PAGE + 1)
     run(core, events, {"first": conversation})
     hit, cached = run(core, events, {"device-hit": conversation})["device-hit"]
     full_pages = (len(conversation) - 1) // PAGE
@@ -145,5 +148,9 @@ def test_a_prefix_restored_on_cuda_matches_a_device_hit_bit_for_bit(qwen3_bf16: 
     finished = {o.request_id: o for o in step_outputs(events) if o.finish_reason is not None}
     assert set(finished) == {"beside", "joining"}
     assert finished["joining"].num_cached_tokens == cached
-    assert tier.counters.hit_pages - hits == 2 * full_pages
+    # Each admission restores the whole prefix again: one more than the
+    # first, or a few if page pressure preempted "joining" before its first
+    # token and it was admitted again.
+    restored = tier.counters.hit_pages - hits
+    assert restored >= 2 * full_pages and restored % full_pages == 0
     assert_kv_unchanged(core, hashes, kv_before)

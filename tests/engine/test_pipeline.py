@@ -222,7 +222,8 @@ class CountingGrammar:
             rows.append(row)
         return TokenMask(bitmask, rows) if rows else None
 
-    def accept(self, seqs: list[Sequence], tokens: list[int]) -> Verdict:
+    def accept(self, seqs: list[Sequence], tokens: list[int], drafted: object = None) -> Verdict:
+        assert drafted is None, "no drafts here"
         self.calls.append("accept")
         verdict = Verdict()
         for seq, token in zip(seqs, tokens, strict=True):

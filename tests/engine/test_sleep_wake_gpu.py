@@ -70,7 +70,8 @@ def test_sleep_returns_device_memory_and_wake_gives_the_same_tokens(
 ) -> None:
     core, events = make_engine(qwen3_bf16)
     runner = core.runner
-    conversation = prompt(1, 300)
+    # One token past a page boundary: 18 whole pages are the cache hit.
+    conversation = prompt(1, 18 * 16 + 1)
     run(core, events, "warm", conversation)
     # Compare a prefix-cache hit with a prefix-cache hit: in bfloat16 a
     # recomputed prefix may round differently from a cached one.

@@ -89,9 +89,12 @@ def test_only_rows_with_unchanged_logits_draft() -> None:
     assert may_draft(greedy(stop_token_ids=[2]))
     # Sampled rows too (tests/engine/test_speculative_sampling.py).
     assert may_draft(p.SamplingParams(max_tokens=5, temperature=0.7))
-    for changed in ({"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"presence_penalty": 0.5},
-                    {"repetition_penalty": 1.1}, {"grammar": p.GrammarSpec("json_schema", "{}")},
-                    {"prompt_logprobs": 0}):
+    # Grammar and reasoning-budget rows too (tests/engine/test_grammar_speculation.py).
+    assert may_draft(greedy(grammar=p.GrammarSpec("json_schema", "{}")))
+    assert may_draft(greedy(reasoning=p.ReasoningBudget(budget=5, close_ids=[3], end_ids=[3])))
+    # Bias, penalty and logprobs rows too (tests/engine/test_speculation_logits.py).
+    assert may_draft(greedy(logprobs=0, logit_bias={3: 1.0}, repetition_penalty=1.1))
+    for changed in ({"prompt_logprobs": 0},):
         assert not may_draft(msgspec.structs.replace(greedy(), **changed)), changed
 
 

@@ -126,8 +126,8 @@ def test_rows_that_cannot_draft_keep_the_pipeline_overlapped() -> None:
     rng = random.Random(3)
     requests = {}
     for i in range(6):
-        # Rows with a logit bias never draft (the toy device ignores it).
-        params = p.SamplingParams(max_tokens=15, temperature=0.0, logit_bias={1: 0.5})
+        # Rows that score their prompt never draft (the toy device scores nothing).
+        params = p.SamplingParams(max_tokens=15, temperature=0.0, prompt_logprobs=0)
         requests[f"s{i}"] = p.Generate(f"s{i}", [rng.randrange(VOCAB) for _ in range(5)], params)
     for request in requests.values():
         core.handle(request)

@@ -113,11 +113,14 @@ def test_a_greedy_draft_row_takes_the_argmax() -> None:
         logits.argmax(dim=-1).tolist()
 
 
-def test_sampled_rows_may_draft_but_not_with_what_changes_their_logits() -> None:
+def test_sampled_rows_may_draft_but_not_while_scoring_their_prompt() -> None:
     assert may_draft(SAMPLED)
     assert may_draft(p.SamplingParams(max_tokens=4, temperature=1.2, min_p=0.1, seed=3))
-    for changed in ({"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"frequency_penalty": 0.5},
-                    {"grammar": p.GrammarSpec("json_schema", "{}")}):
+    # Bias, penalty and logprobs rows draft (tests/engine/test_speculation_logits.py).
+    assert may_draft(p.SamplingParams(max_tokens=4, temperature=0.8, logprobs=0,
+                                      logit_bias={3: 1.0}, frequency_penalty=0.5))
+    # (Grammar rows draft too: tests/engine/test_speculation.py.)
+    for changed in ({"prompt_logprobs": 0},):
         params = p.SamplingParams(max_tokens=4, temperature=0.8, **changed)  # type: ignore[arg-type]
         assert not may_draft(params), changed
 
@@ -149,8 +152,8 @@ class SamplingDevice(FakeDevice):
         return [self.kv[int(table[pos // self.page_size]) * self.page_size + pos % self.page_size]
                 for pos in range(int(inputs.positions[row]) + 1)]
 
-    def forward(self, out: SchedulerOutput) -> FakeForward:
-        step = super().forward(out)
+    def forward(self, out: SchedulerOutput, draft_masks: object = None) -> FakeForward:
+        step = super().forward(out, draft_masks)  # type: ignore[arg-type]
         inputs = step.inputs
         if step.logits is not None:
             contexts = list(step.logits)  # type: ignore[call-overload]
@@ -240,9 +243,9 @@ def test_seeded_drafted_samples_are_reproducible_and_leave_other_rows_alone() ->
                for i in range(6)}
     greedy = {f"g{i}": (PROMPT[i % 3 :], p.SamplingParams(max_tokens=9, temperature=0.0))
               for i in range(3)}
-    # Sampled rows that cannot draft: their tokens are those without drafts.
-    biased = {f"b{i}": (PROMPT, replace(SAMPLED, max_tokens=9, seed=200 + i,
-                                                logit_bias={3: 0.5}))
+    # Sampled rows that cannot draft (they score their prompt): their tokens
+    # are those without drafts.
+    biased = {f"b{i}": (PROMPT, replace(SAMPLED, max_tokens=9, seed=200 + i, prompt_logprobs=0))
               for i in range(3)}
     batch = {**sampled, **greedy, **biased}
     first_core, first_events = sample_engine(draft=True, lanes=8)

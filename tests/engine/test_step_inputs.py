@@ -102,3 +102,34 @@ def test_the_memory_ledger_names_every_share() -> None:
 def test_positions_are_numpy_int64() -> None:
     inputs = build_step_inputs(decode_step(sequence("a", 3, 0, [0])), PAGE)
     assert inputs.positions.dtype == np.int64 and inputs.slot_mapping.dtype == np.int64
+
+
+def verify_step() -> SchedulerOutput:
+    """b decodes one token; a verifies two drafts after its newest token."""
+    drafted = sequence("a", 5, 1, [7, 3])  # 6 tokens: positions 0..5
+    decode = sequence("b", 5, 2, [2, 5])
+    chunk = ScheduledChunk(drafted, 5, 3)
+    chunk.draft = [41, 42]
+    return SchedulerOutput([chunk, ScheduledChunk(decode, 6, 1)])
+
+
+def test_a_verify_step_runs_as_decode_rows_when_they_fit() -> None:
+    inputs = build_step_inputs(verify_step(), PAGE, decode_rows=4)
+    assert inputs.input_ids.tolist() == [500, 41, 42, 501]
+    assert inputs.positions.tolist() == [5, 6, 7, 6]
+    # Each token a row of its own, attending up to itself over its sequence's pages.
+    assert inputs.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.seq_lens.tolist() == [6, 7, 8, 7]
+    assert inputs.block_tables.tolist() == [[7, 3], [7, 3], [7, 3], [2, 5]]
+    assert inputs.slot_mapping.tolist() == [13, 14, 15, 22]
+    assert inputs.is_decode
+    assert inputs.sample_rows == [0, 3] and inputs.draft_rows == [1, 2]
+
+
+def test_a_verify_step_too_large_or_with_prompt_chunks_stays_in_chunks() -> None:
+    inputs = build_step_inputs(verify_step(), PAGE, decode_rows=3)
+    assert inputs.query_start_loc.tolist() == [0, 3, 4] and not inputs.is_decode
+    out = verify_step()
+    out.chunks.append(ScheduledChunk(sequence("c", 6, 0, [9, 8]), 0, 6))
+    inputs = build_step_inputs(out, PAGE, decode_rows=64)
+    assert inputs.query_start_loc.tolist() == [0, 3, 4, 10] and not inputs.is_decode

@@ -44,11 +44,12 @@ turn) but a quarter of its 32 and half its 8 turns: a 195k-token working set
 (29 GB of bf16 K/V), a 49k-token device pool, a 25 GB page-locked host tier
 (12 GB in disk and restart). "off" computes all 706k prompt tokens (~30 s);
 "host" ~195k of them plus 24 restores of ~3 GB (~12 s, and ~5 s for the
-returning conversation); "disk" reads pages back synchronously on the
-engine's loop, each page checksummed on one core, for at most
---disk-restore-ms (the engine's 300 ms) per admission attempt, and computes
-the rest: ~1-6 s a returning turn, 25-120 s; "restart" the same for the 8
-first turns, then the host tier: 15-50 s; four engine builds and pinning
+returning conversation); "disk" reads pages back on two reader threads
+(each page checksummed on one core) while the engine steps the other
+conversations, one restore at a time, a returning turn waiting for at most
+--disk-restore-ms (the engine's 300 ms) before it computes the rest:
+~1-6 s a returning turn, 25-120 s; "restart" the same for the 8 first
+turns, then the host tier: 15-50 s; four engine builds and pinning
 the host tiers ~50 s. About 3 minutes, 4.5 at worst: no configuration
 submits a turn after --max-config-seconds (120 s; its row is then starred
 and covers the turns done). `--conversations 32 --turns 8` is the issue's

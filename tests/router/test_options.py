@@ -26,8 +26,8 @@ from router.settings import ModelSettings, SamplingOverrides
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
-    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling spec draft-tokens "
-    "draft-max spec-ngram-min spec-ngram-max seed temp top-k top-p min-p model-suspend suspend-weights "
+    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
+    "model-draft draft-tokens draft-max spec-ngram-min spec-ngram-max seed temp top-k top-p min-p model-suspend suspend-weights "
     "chat-template chat-template-file chat-template-kwargs reasoning-budget "
     "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank "
     "slot-save-path slots"
@@ -335,3 +335,27 @@ def test_speculation_options_reach_the_engine_off_by_default() -> None:
             parser().parse_args(argv)
     with pytest.raises(ValueError, match="1 <= spec-ngram-min <= spec-ngram-max"):
         resolve_settings([{"spec-ngram-min": 4, "spec-ngram-max": 2}])
+
+
+def test_a_draft_model_reaches_the_engine_from_the_command_line_and_a_preset(
+        tmp_path: Path) -> None:
+    from router.presets import load_preset
+
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    given = given_options(parser().parse_args(["--spec", "draft", "--draft-model", str(draft)]))
+    engine = resolve_settings([given]).engine
+    assert (engine.spec, engine.draft_model) == ("draft", str(draft))
+    # As the engine reads it from its command line.
+    assert EngineOptions.from_json(engine.to_json()).draft_model == str(draft)
+    # In a preset, relative to the preset's directory; llama.cpp's name too.
+    preset = tmp_path / "models.ini"
+    preset.write_text("[a]\nmodel = a.gguf\nspec = draft\nmodel-draft = draft.gguf\n")
+    values = load_preset(preset).section("a").values()
+    assert resolve_settings([values]).engine.draft_model == str(draft)
+    with pytest.raises(argparse.ArgumentError, match="does not exist"):
+        parser().parse_args(["--draft-model", str(tmp_path / "missing.gguf")])
+    with pytest.raises(ValueError, match="--spec draft and --draft-model go together"):
+        resolve_settings([{"spec": "draft"}])
+    with pytest.raises(ValueError, match="--spec draft and --draft-model go together"):
+        resolve_settings([{"draft-model": str(draft)}])

@@ -44,11 +44,25 @@ def _config(arch: str):
         return transformers.Qwen2Config(**_SMALL, rope_theta=1_000_000.0, tie_word_embeddings=False)
     if arch == "llama":
         return transformers.LlamaConfig(**_SMALL, rope_theta=500_000.0, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        # Six layers, sparse where (layer + 1) % 2 == 0 except layer 3 (mlp_only_layers):
+        # layers 1 and 5 route over 8 experts, the other four are dense MLPs.
+        return transformers.Qwen3MoeConfig(
+            **{**_SMALL, "num_hidden_layers": 6}, head_dim=16, rope_theta=1_000_000.0,
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3],
+            norm_topk_prob=True)
+    if arch == "mixtral":
+        # Experts of intermediate_size in every layer, top-2 of 4.
+        return transformers.MixtralConfig(
+            **{**_SMALL, "intermediate_size": 32}, rope_theta=1_000_000.0,
+            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
 def build_tiny_model(arch: str, target: Path, seed: int = 0) -> Path:
-    """Write a random-weight model of `arch` ("qwen3", "qwen2", "llama") into target."""
+    """Write a random-weight model of `arch` ("qwen3", "qwen2", "llama", "qwen3_moe",
+    "mixtral") into target."""
     import torch
     import transformers
 

@@ -1,0 +1,44 @@
+"""Qwen3-MoE: Qwen3's attention with a mixture-of-experts MLP in the sparse layers.
+
+A layer is sparse unless it is listed in mlp_only_layers, when the model has
+experts and (layer + 1) is a multiple of decoder_sparse_step; the other layers
+keep a dense MLP of intermediate_size, as transformers builds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.config import MoEConfig
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    # llama.cpp's qwen3moe GGUFs stack the experts (ffn_*_exps): not read yet.
+    gguf_architecture = None
+
+    @classmethod
+    def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ValueError(
+                "Qwen3-MoE checkpoints with shared experts (shared_expert_intermediate_size) "
+                "are not supported"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"experts with activation {cfg['hidden_act']!r} are not supported "
+                             "(only silu)")
+        # transformers 5 writes num_local_experts; released checkpoints say num_experts.
+        num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+        if num_experts == 0:
+            return None
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense_only = set(cfg.get("mlp_only_layers") or ())
+        layers = int(cfg["num_hidden_layers"])
+        return MoEConfig(
+            num_experts=num_experts,
+            experts_per_token=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            normalize_topk=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=tuple(layer for layer in range(layers)
+                                if layer not in dense_only and (layer + 1) % step == 0),
+        )

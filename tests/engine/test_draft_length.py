@@ -1,0 +1,123 @@
+"""The per-row draft length (engine/sampling/draft_length.py) on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling.draft_length import (
+    FIRST_BACKOFF,
+    MAX_BACKOFF,
+    DraftLength,
+    best_length,
+)
+
+
+def miss_until_off(control: DraftLength, output: int) -> tuple[int, int]:
+    """Reject every draft from step `output` of the scheduler's clock on
+    until the row switches off; returns (drafting steps taken, draft tokens
+    spent). (The clock counts steps; these tests let one step pass per
+    drafting step, or as many as the tokens it yields: only its order matters.)"""
+    steps = spent = 0
+    while control.allows(output):
+        limit = control.limit(output)
+        output += 1  # a rejected draft still yields the target's own token
+        control.record(limit, 0, output)
+        steps, spent = steps + 1, spent + limit
+        assert steps < 20, "never switched off"
+    return steps, spent
+
+
+def test_a_row_starts_at_the_full_length_and_keeps_it_while_drafts_are_kept() -> None:
+    control = DraftLength(8)
+    assert control.allows(0) and control.limit(0) == 8
+    for output in range(0, 200, 9):
+        control.record(8, 8, output + 9)
+        assert control.limit(output + 9) == 8
+    assert control.acceptance == pytest.approx(1.0)
+
+
+def test_rejections_shorten_the_draft_then_switch_the_row_off() -> None:
+    control = DraftLength(8)
+    lengths = []
+    for output in range(3):
+        lengths.append(control.limit(output))
+        control.record(lengths[-1], 0, output + 1)
+    assert lengths[0] == 8 and lengths[0] > lengths[1] >= lengths[2] >= 1
+    steps, spent = miss_until_off(control, 3)
+    # An always-wrong drafter costs a few steps once: six with K = 8, and
+    # fewer than 20 draft tokens verified in all.
+    assert 3 + steps <= 6 and sum(lengths) + spent < 20
+    assert control.switch_offs == 1
+    assert not control.allows(3 + steps) and control.limit(3 + steps) == 0
+
+
+def test_a_switched_off_row_probes_with_one_token_after_a_growing_back_off() -> None:
+    control = DraftLength(4)
+    steps, _ = miss_until_off(control, 0)
+    output, waits = steps, []
+    for _ in range(6):
+        resume = control.resume_at
+        assert not control.allows(resume - 1) and control.limit(resume - 1) == 0
+        waits.append(resume - output)
+        # Probes fall on multiples of the back-off, so rows probe together.
+        assert resume % FIRST_BACKOFF == 0
+        assert control.allows(resume) and control.limit(resume) == 1
+        output = resume + 1
+        control.record(1, 0, output)  # the probe is wrong: off again
+        assert control.limit(output) == 0
+    backoffs = [FIRST_BACKOFF, 2 * FIRST_BACKOFF, 4 * FIRST_BACKOFF, 8 * FIRST_BACKOFF,
+                MAX_BACKOFF, MAX_BACKOFF]
+    assert all(b <= wait < 2 * b for wait, b in zip(waits, backoffs, strict=True)), waits
+
+
+def test_a_kept_probe_grows_the_draft_back_to_full_length() -> None:
+    control = DraftLength(4)
+    output, _ = miss_until_off(control, 0)
+    output = control.resume_at
+    lengths = []
+    for _ in range(6):
+        lengths.append(control.limit(output))
+        output += lengths[-1] + 1
+        control.record(lengths[-1], lengths[-1], output)
+    assert lengths[0] == 1 and lengths[1] == 2 and lengths[-1] == 4
+    assert lengths == sorted(lengths)
+    # Copying again: a later switch-off waits the first back-off only.
+    output += miss_until_off(control, output)[0]
+    assert FIRST_BACKOFF <= control.resume_at - output < 2 * FIRST_BACKOFF
+
+
+def test_an_empty_proposal_counts_as_a_miss() -> None:
+    control = DraftLength(4)
+    output = 0
+    while control.limit(output):
+        output += 1
+        control.record(0, 0, output)
+        assert output < 10
+    assert control.switch_offs == 1
+    assert control.resume_at % FIRST_BACKOFF == 0
+    assert FIRST_BACKOFF <= control.resume_at - output < 2 * FIRST_BACKOFF
+
+
+def test_one_miss_inside_a_copy_only_shortens_the_draft() -> None:
+    control = DraftLength(8)
+    for output in range(0, 90, 9):
+        control.record(8, 8, output + 9)
+    control.record(8, 3, 100)
+    assert 1 <= control.limit(100) <= 8 and control.allows(100)
+
+
+def test_best_length_grows_with_the_acceptance() -> None:
+    lengths = [best_length(p / 20, 8) for p in range(21)]
+    assert lengths == sorted(lengths)
+    assert lengths[0] == 0 and lengths[-1] == 8
+    # A coin-flip drafter still pays with short drafts; one right a quarter
+    # of the time does not.
+    assert best_length(0.5, 8) >= 1 and best_length(0.25, 8) == 0
+    assert best_length(1.0, 3) == 3
+
+
+def test_rows_switched_off_at_different_steps_probe_in_the_same_step() -> None:
+    first, second = DraftLength(4), DraftLength(4)
+    miss_until_off(first, 3)
+    miss_until_off(second, 9)
+    assert first.resume_at == second.resume_at == 2 * FIRST_BACKOFF
