@@ -418,8 +418,11 @@ class EngineCore:
     def step(self) -> None:
         """One turn of the pipeline: launch the next step, complete the one
         before it (see the module's docstring)."""
-        if self._in_flight is not None and self.scheduler.wants_drafts():
-            # A row can draft only once the step in flight is on the host.
+        flight = self._in_flight
+        if flight is not None and (flight.verified is not None or self.scheduler.wants_drafts()):
+            # A row can draft only once the step in flight is on the host, and
+            # nothing is scheduled after a verify step before its drafts are
+            # checked (its rows' computed tokens count drafts not yet kept).
             self._drain()
         out = self.scheduler.schedule()
         # Pages the scheduling moved between the device and the host tier:

@@ -233,19 +233,10 @@ def copy_prompt(smollm2_gguf: Path) -> list[int]:
     return chat_prompt(smollm2_gguf, COPY)
 
 
-def test_each_feature_alone_is_unchanged_by_speculation(smollm2_gguf: Path,
-                                                         copy_prompt: list[int]) -> None:
-    plain_core, plain_events = engine(smollm2_gguf)
-    core, events = engine(smollm2_gguf, **SPEC)
-    for name, feature in FEATURES.items():
-        request = {name: (copy_prompt, greedy(40, **feature))}
-        assert_unchanged(outputs_of(core, events, request),
-                         outputs_of(plain_core, plain_events, request), request, [name])
-    assert_no_pages_held(core)
-
-
 def test_a_mixed_batch_is_unchanged_by_speculation(smollm2_gguf: Path,
                                                    copy_prompt: list[int]) -> None:
+    """Every feature's row beside the others (each must have drafts accepted):
+    what each alone would show, in one run of the CPU's slowest model."""
     batch = {name: (copy_prompt, greedy(40, **feature)) for name, feature in FEATURES.items()}
     batch["plain"] = (copy_prompt, greedy(40))
     batch["short"] = (copy_prompt[:30], greedy(12, presence_penalty=0.5, logprobs=1))

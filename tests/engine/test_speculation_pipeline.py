@@ -51,11 +51,12 @@ class OracleDrafter:
 
 
 def make_core(drafter: OracleDrafter, num_pages: int = 64, lanes: int = 4, budget: int = 16,
-              max_context: int = 96, window: int = 8
+              max_context: int = 96, window: int = 8, max_verify_rows: int = 0
               ) -> tuple[EngineCore, FakeDevice, list[p.EngineEvent]]:
     kv = KVManager(BlockPool(num_pages, 4), kv_fingerprint("fake"), window, max_context)
     scheduler = Scheduler(kv, max_concurrency=lanes, max_batched_tokens=budget,
-                          max_context=max_context, drafter=drafter, draft_tokens=4)
+                          max_context=max_context, drafter=drafter, draft_tokens=4,
+                          max_verify_rows=max_verify_rows)
     device = FakeDevice(scheduler, lanes)
     events: list[p.EngineEvent] = []
     core = EngineCore(device, scheduler, Sampler(torch.device("cpu")),  # type: ignore[arg-type]
@@ -86,6 +87,28 @@ def test_drafted_requests_get_their_solo_tokens(seed: int) -> None:
     assert_verify_steps_completed_first(device)
     stats = core._stats
     assert 0 < stats.draft_accepted_tokens_total < stats.draft_tokens_total == drafter.proposed
+    assert core.scheduler.kv.pool.num_used == 0
+
+
+def test_a_verify_step_beside_a_new_prompt_completes_before_the_next_step() -> None:
+    """With max_verify_rows, rows stop wanting drafts while a prompt is being
+    prefilled; a verify step launched in the step that admitted that prompt
+    must still be on the host before the next step is scheduled."""
+    core, device, events = make_core(OracleDrafter(5, error=0.3, full=True), budget=12,
+                                     max_verify_rows=16)
+    first = generate("first", [1, 2, 3], 20)
+    core.handle(first)
+    core.step()
+    core.step()
+    later = generate("later", list(range(10, 40)), 10)  # prefilled over several steps
+    core.handle(later)
+    run(core)
+    got = results(events)
+    for request in (first, later):
+        assert got[request.request_id] == expected(request.prompt_token_ids,
+                                                   request.params.max_tokens)
+    assert_verify_steps_completed_first(device)
+    assert core._stats.draft_accepted_tokens_total > 0
     assert core.scheduler.kv.pool.num_used == 0
 
 
