@@ -168,14 +168,9 @@ class EngineGrammar:
             # spell): masking the row would leave no token to draw. The row is
             # left alone and the request fails in accept().
             self._stuck = {seqs[row].request_id for row, ok in zip(rows, allows_any, strict=True) if not ok}
-            rows = [row for row, ok in zip(rows, allows_any, strict=True) if ok]
-            if not rows:
-                return None
-        if self.device.type != "cpu":
-            # The host buffer is written again only by the next step's fill(),
-            # after this step's sampling has waited for the device.
-            bitmask = bitmask.to(self.device, non_blocking=True)
-        return TokenMask(bitmask, rows)
+        # The host buffer is written again only by the next step's fill(),
+        # after this step's sampling has waited for the device.
+        return self._device_mask(bitmask, rows, allows_any)
 
     def cut_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
         """draft up to the first token seq's grammar refuses, or would end on
@@ -237,12 +232,18 @@ class EngineGrammar:
             for (_, request_id, index), ok in zip(filled, allows_any, strict=True):
                 if not ok:
                     self._draft_stuck.setdefault(request_id, index)
-            rows = [row for row, ok in zip(rows, allows_any, strict=True) if ok]
-            if not rows:
-                return None
+        # Written again only by a later verify step's fill_drafts(): that
+        # step is scheduled after this one's targets reached the host.
+        return self._device_mask(bitmask, rows, allows_any)
+
+    def _device_mask(self, bitmask: torch.Tensor, rows: list[int],
+                     allows_any: list[bool]) -> TokenMask | None:
+        """The mask of the rows whose grammar allows some token (the others
+        go unmasked), on its way to the device; None if no row is left."""
+        rows = [row for row, ok in zip(rows, allows_any, strict=True) if ok]
+        if not rows:
+            return None
         if self.device.type != "cpu":
-            # Written again only by a later verify step's fill_drafts(): that
-            # step is scheduled after this one's targets reached the host.
             bitmask = bitmask.to(self.device, non_blocking=True)
         return TokenMask(bitmask, rows)
 

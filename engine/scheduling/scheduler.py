@@ -272,7 +272,7 @@ class Scheduler:
                 break
             seq = chunk.seq
             control = seq.draft_length
-            if not may_draft(seq.params) or seq.has_pending_token or control is None:
+            if control is None or not self._drafts_now(seq):
                 continue
             limit = min(self._draft_limit(seq), budget)
             if batched is not None:
@@ -289,6 +289,13 @@ class Scheduler:
                 chunk.num_tokens += len(draft)
                 budget -= len(draft)
         return budget
+
+    @staticmethod
+    def _drafts_now(seq: Sequence) -> bool:
+        """Whether seq's decode row may take a draft this step: its request
+        drafts at all and every token of it is on the host."""
+        return (seq.draft_length is not None and may_draft(seq.params)
+                and not seq.has_pending_token)
 
     def _may_verify_next(self) -> bool:
         """Whether the next step may verify drafts: no prompt chunk will run
@@ -316,8 +323,7 @@ class Scheduler:
             seq = chunk.seq
             if budget <= 0:
                 break
-            if (not may_draft(seq.params) or seq.has_pending_token
-                    or seq.draft_length is None):
+            if not self._drafts_now(seq):
                 continue
             limit = min(self._draft_limit(seq), budget)
             if limit > 0:

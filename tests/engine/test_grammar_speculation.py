@@ -22,7 +22,8 @@ from engine.scheduling.sequence import Sequence
 from router.text.grammar_vocab import grammar_vocab
 from router.text.model_text import ModelText
 from tests.engine import in_process
-from tests.engine.in_process import SMALL_STEPS, run_to_completion
+from tests.engine.in_process import SMALL_STEPS
+from tests.engine.test_speculation import run as run_requests
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,15 +87,7 @@ def run(engine: tuple[EngineCore, list[p.EngineEvent]],
         requests: dict[str, tuple[list[int], p.SamplingParams]]
         ) -> dict[str, tuple[list[int], str | None]]:
     """Each request's tokens and finish reason; a request error fails the test."""
-    core, events = engine
-    found: dict[str, tuple[list[int], str | None]] = {name: ([], None) for name in requests}
-    for event in run_to_completion(core, events, requests):
-        assert isinstance(event, p.StepOutputs), event
-        for output in event.outputs:
-            tokens, reason = found[output.request_id]
-            assert reason is None, "output after the finish"
-            found[output.request_id] = (tokens + output.token_ids, output.finish_reason)
-    return found
+    return run_requests(*engine, requests)
 
 
 def parsed(text: ModelText, tokens: list[int]) -> object:
