@@ -2,7 +2,8 @@
 
 Expert weights are stacked per layer, gate_up [E, 2 * I, H] (gate rows first)
 and down [E, H, I], the layout a grouped GEMM reads. These functions are the
-CPU path and what future CUDA kernels are checked against.
+CPU path and what the CUDA paths (kernels/moe.py, kernels/moe_grouped.py) are
+checked against.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     float32). Only experts that some token picked are computed, each over its
     own tokens; contributions are added in expert order in the model dtype.
     Reads the routing back to the host, so a CUDA graph cannot capture it
-    (moe_experts_dense can)."""
+    (the GPU runs kernels/moe.py's GEMV and kernels/moe_grouped.py instead)."""
     out = torch.zeros_like(hidden)
     flat_experts = experts.reshape(-1)
     # Stable sort: an expert's (token, slot) pairs stay in token order.
@@ -56,22 +57,4 @@ def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         contribution = _expert_swiglu(hidden[tokens], gate_up[expert], down[expert])
         contribution = contribution * weights.reshape(-1)[picks, None]
         out.index_add_(0, tokens, contribution.to(hidden.dtype))
-    return out
-
-
-def moe_experts_dense(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """moe_experts without reading anything back to the host: every expert
-    runs over every token and unselected ones are weighted by zero. E times
-    the work, for code a CUDA graph captures until a grouped-GEMM kernel
-    exists. Same contributions in the same expert order, up to the rounding of
-    GEMMs over a different number of rows."""
-    num_experts = gate_up.shape[0]
-    # [T, E]: a token's weight for each expert, zero where it did not pick it.
-    dense = torch.zeros(hidden.shape[0], num_experts, dtype=weights.dtype, device=hidden.device)
-    dense.scatter_(1, experts, weights)
-    out = torch.zeros_like(hidden)
-    for expert in range(num_experts):
-        contribution = _expert_swiglu(hidden, gate_up[expert], down[expert])
-        out += (contribution * dense[:, expert, None]).to(hidden.dtype)
     return out

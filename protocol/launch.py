@@ -11,6 +11,9 @@ POOLINGS = ("mean", "cls", "last")
 # What --spec may say: speculative decoding off, n-gram (prompt lookup) drafts,
 # or a draft model's (draft_model).
 SPEC_KINDS = ("none", "ngram", "draft")
+# Where a mixture-of-experts model's routed experts stay: on the device, or in
+# page-locked host memory that the device reads them from.
+EXPERT_RESIDENCIES = ("device", "host")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -74,6 +77,17 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Face directory with the target's vocabulary), run greedily beside the
     # target on its device (engine/sampling/draft_model.py).
     draft_model: str | None = None
+    # Where the routed experts of a mixture-of-experts model stay: "device",
+    # or "host" (every layer's in page-locked host memory, read by the device
+    # from there; attention, dense layers, norms, embeddings and routers stay
+    # on the device). host_expert_layers N (llama.cpp's --n-cpu-moe): only the
+    # first N layers' experts on the host, with expert_residency "device";
+    # 0: none. A model without experts refuses both at load.
+    expert_residency: str = "device"
+    host_expert_layers: int = 0
+    # Device memory (MiB) for a cache of recently used host-resident experts;
+    # 0: none (every selected expert is read from host memory).
+    expert_cache_mib: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -120,12 +134,39 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError("n-gram sizes must satisfy 1 <= spec-ngram-min <= spec-ngram-max, "
                              f"got {self.spec_ngram_min} and {self.spec_ngram_max}")
+        if self.expert_residency not in EXPERT_RESIDENCIES:
+            raise ValueError(f"expert residency must be one of {', '.join(EXPERT_RESIDENCIES)}, "
+                             f"got {self.expert_residency!r}")
+        if self.host_expert_layers < 0 or self.expert_cache_mib < 0:
+            raise ValueError("host expert layers and the expert cache must be >= 0, got "
+                             f"{self.host_expert_layers} and {self.expert_cache_mib}")
+        if self.expert_residency == "host" and self.host_expert_layers:
+            raise ValueError(
+                "--expert-residency host (--cpu-moe) keeps every layer's experts on the host, "
+                f"--n-cpu-moe {self.host_expert_layers} only the first "
+                f"{self.host_expert_layers} layers': give one of them")
+        if self.expert_cache_mib and not self.host_experts:
+            raise ValueError(f"--expert-cache-mib {self.expert_cache_mib} caches host-resident "
+                             "experts on the device: it needs --expert-residency host "
+                             "(--cpu-moe) or --n-cpu-moe N")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def host_experts(self) -> bool:
+        """Whether any layer's routed experts stay in host memory."""
+        return self.expert_residency == "host" or self.host_expert_layers > 0
+
+    @property
+    def host_expert_layer_count(self) -> int:
+        """How many of the first layers keep their routed experts in host
+        memory: -1 for every layer (expert_residency host), else
+        host_expert_layers (0: none); what engine.models.build_model takes."""
+        return -1 if self.expert_residency == "host" else self.host_expert_layers
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -132,13 +132,16 @@ class KvFacts(msgspec.Struct, **_STRUCT):
 class MemoryFacts(msgspec.Struct, frozen=True, **_STRUCT):
     """What the engine holds on its device once loaded, by kind (bytes): the
     router's device ledger plans other models around it. On the CPU the same
-    kinds in host memory (activations and graphs are 0 there)."""
+    kinds in host memory (activations and graphs are 0 there).
+    host_weights_bytes: routed experts kept in host memory (--expert-residency
+    host, --n-cpu-moe), which the device does not hold: not in the footprint."""
 
     weights_bytes: int = 0
     kv_bytes: int = 0
     activation_bytes: int = 0
     workspace_bytes: int = 0
     graph_bytes: int = 0
+    host_weights_bytes: int = 0
 
     @property
     def footprint_bytes(self) -> int:
@@ -272,10 +275,12 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     disk_kv_bytes_read_total: int = 0
     disk_kv_bytes_written_total: int = 0
     # Files found damaged or foreign (deleted); pages not written (a full
-    # disk, a write error, the writer behind); restores cut short by the
+    # disk, a write error, the writer behind); pages not written because
+    # their parent was not on disk (orphans); restores cut short by the
     # deadline; seconds spent reading pages back.
     disk_kv_corrupt_pages_total: int = 0
     disk_kv_dropped_pages_total: int = 0
+    disk_kv_orphan_pages_total: int = 0
     disk_kv_deadline_hits_total: int = 0
     disk_kv_restore_seconds_total: float = 0.0
     # Admissions that reused the leading tokens of one more page after their

@@ -5,12 +5,14 @@ alone (no torch, no tensor data read).
 - Weights: every tensor's element count (safetensors JSON headers, GGUF
   tensor infos) times the serving dtype's size, since the engine holds all
   of them in that dtype (quantized GGUF tensors are dequantized at load),
-  plus the rotary table the decoder keeps for the trained context.
+  plus the rotary table the decoder keeps for the trained context, less the
+  routed experts kept in host memory (--expert-residency host, --n-cpu-moe).
 - KV: 2 (K and V) x layers x KV heads x head size x dtype bytes per token,
   times the tokens the pool will hold (engine/kv/kv_sizing.py's rule: lanes x
   context + prefix-cache tokens, or the explicit capacity), in whole pages.
 - Activations, CUDA graphs and workspaces: an allowance that errs high, as
-  the engine measures the real peaks only once loaded.
+  the engine measures the real peaks only once loaded; the device cache of
+  host-resident experts (--expert-cache-mib) in full.
 - On a GPU, the CUDA context every engine process creates.
 
 After a model's first load the planner uses what its engine reported
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +65,14 @@ class ModelShape:
     trained_context: int
     # Elements of every tensor in the checkpoint.
     weight_elements: int
+    # Elements of the routed experts, per layer that has them: (layer, elements).
+    expert_elements: tuple[tuple[int, int], ...] = ()
+
+    def host_expert_elements(self, host_expert_layers: int) -> int:
+        """Elements of the experts of the first host_expert_layers layers
+        (-1: all), which the engine keeps in host memory."""
+        return sum(count for layer, count in self.expert_elements
+                   if host_expert_layers < 0 or layer < host_expert_layers)
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,8 @@ def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
                        fill: bool = False) -> Footprint:
     size = dtype_bytes(engine, cuda)
     rope_elements = shape.trained_context * shape.head_dim
-    weights = (shape.weight_elements + rope_elements) * size
+    on_host = shape.host_expert_elements(engine.host_expert_layer_count)
+    weights = (shape.weight_elements - on_host + rope_elements) * size
     per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * size
     kv_tokens = planned_kv_tokens(shape, engine, fill=fill)
     activations = 0
@@ -138,7 +150,10 @@ def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
         logits = engine.max_concurrency * shape.vocab * 4 * LOGIT_COPIES
         # The graphs' pool holds a decode step of every lane: its rows and logits again.
         graphs = engine.max_concurrency * (row * size * ACTIVATION_COPIES + shape.vocab * 4 * 2)
-        activations = step + logits + graphs + FIXED_SLACK_BYTES
+        # The device cache of host-resident experts (--expert-cache-mib) is
+        # set aside whole, as a workspace.
+        cache = engine.expert_cache_mib * MIB
+        activations = step + logits + graphs + FIXED_SLACK_BYTES + cache
         runtime = CUDA_CONTEXT_BYTES
     return Footprint(weights, kv_tokens * per_token, activations, runtime, kv_tokens,
                      served_context(shape, engine))
@@ -162,7 +177,12 @@ def _hf_shape(directory: Path) -> ModelShape:
     config = config.get("text_config", config)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    elements = sum(_safetensors_elements(f) for f in sorted(directory.glob("*.safetensors")))
+    elements = 0
+    experts: dict[int, int] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, count in _safetensors_elements(file):
+            elements += count
+            _count_expert(_HF_EXPERT, name, count, experts)
     return ModelShape(
         layers=int(config["num_hidden_layers"]),
         heads=heads,
@@ -173,17 +193,34 @@ def _hf_shape(directory: Path) -> ModelShape:
         vocab=int(config["vocab_size"]),
         trained_context=int(config.get("max_position_embeddings") or 2048),
         weight_elements=elements,
+        expert_elements=tuple(sorted(experts.items())),
     )
 
 
-def _safetensors_elements(path: Path) -> int:
+# Routed expert tensors and their layer: Hugging Face's model.layers.N.<block>.experts.E.*
+# (not the block's router), llama.cpp's blk.N.ffn_{gate,up,down}_exps (and
+# old Mixtral files' ffn_{gate,up,down}.E).
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.[^.]+\.experts\.")
+_GGUF_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down)(?:_exps|\.\d+)\.")
+
+
+def _count_expert(pattern: re.Pattern[str], name: str, count: int,
+                  experts: dict[int, int]) -> None:
+    match = pattern.match(name)
+    if match:
+        layer = int(match[1])
+        experts[layer] = experts.get(layer, 0) + count
+
+
+def _safetensors_elements(path: Path) -> list[tuple[str, int]]:
+    """Each tensor's name and element count."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         if length > 100 * MIB:
             raise ValueError(f"{path}: a {length}-byte safetensors header is not believable")
         header: dict[str, Any] = json.loads(file.read(length))
-    return sum(math.prod(info["shape"]) for name, info in header.items()
-               if name != "__metadata__")
+    return [(name, math.prod(info["shape"])) for name, info in header.items()
+            if name != "__metadata__"]
 
 
 # GGUF value types (gguf's GGUFValueType) and their sizes; 8 is a string, 9 an array.
@@ -245,6 +282,7 @@ def _gguf_shape(path: Path) -> ModelShape:
             key = reader.string()
             meta[key] = reader.value(reader.scalar("I"))
         elements = 0
+        experts: dict[int, int] = {}
         embedding_rows = 0
         for _ in range(tensors):
             name = reader.string()
@@ -252,6 +290,7 @@ def _gguf_shape(path: Path) -> ModelShape:
             reader.scalar("I")  # the stored type: the engine dequantizes it anyway
             reader.scalar("Q")  # the data offset
             elements += math.prod(dims)
+            _count_expert(_GGUF_EXPERT, name, math.prod(dims), experts)
             if name == "token_embd.weight" and len(dims) == 2:
                 embedding_rows = dims[1]  # GGUF lists dimensions innermost first
     arch = meta["general.architecture"]
@@ -274,4 +313,5 @@ def _gguf_shape(path: Path) -> ModelShape:
         vocab=int(arch_value("vocab_size", embedding_rows or meta.get("tokenizer.ggml.tokens", 0))),
         trained_context=int(arch_value("context_length", 2048)),
         weight_elements=elements,
+        expert_elements=tuple(sorted(experts.items())),
     )

@@ -18,8 +18,8 @@ Crb cpu-strict-batch prio-batch poll-batch predict n-predict n ubatch-size ub ke
 flash-attn fa perf no-perf escape no-escape e rope-scaling rope-scale rope-freq-base
 rope-freq-scale yarn-orig-ctx yarn-ext-factor yarn-attn-factor yarn-beta-slow yarn-beta-fast
 kv-offload kvo no-kv-offload nkvo repack no-repack nr no-host cache-type-k ctk cache-type-v ctv
-defrag-thold dt rpc load-mode lm lazy-mode lzm numa dev list-devices override-tensor ot cpu-moe
-cmoe n-cpu-moe ncmoe moe-cache-mib n-cpu-ffn ncffn gpu-layers n-gpu-layers ngl split-mode sm
+defrag-thold dt rpc load-mode lm lazy-mode lzm numa dev list-devices override-tensor ot
+n-cpu-ffn ncffn gpu-layers n-gpu-layers ngl split-mode sm
 tensor-split ts main-gpu mg fit fit-target fitt fit-ctx fitc check-tensors override-kv op-offload
 no-op-offload lora lora-scaled control-vector control-vector-scaled control-vector-layer-range
 model-url mu docker-repo dr hf-repo hf hfr hf-file hff hf-token hft log-disable log-file
@@ -64,15 +64,15 @@ spec-draft-prio prio-draft spec-draft-poll poll-draft spec-draft-cpu-mask-batch 
 cpu-mask-batch-draft spec-draft-cpu-strict-batch cpu-strict-batch-draft spec-draft-prio-batch
 prio-batch-draft spec-draft-poll-batch poll-batch-draft spec-draft-override-tensor otd
 override-tensor-draft spec-draft-cpu-moe cmoed cpu-moe-draft spec-draft-n-cpu-moe
-spec-draft-ncmoe ncmoed n-cpu-moe-draft spec-draft-n-max spec-draft-n-min spec-synth-len
+spec-draft-ncmoe ncmoed n-cpu-moe-draft spec-draft-n-min spec-synth-len
 spec-synth-rates spec-draft-p-split draft-p-split spec-draft-p-min draft-p-min
 spec-draft-backend-sampling no-spec-draft-backend-sampling spec-draft-sampling
 spec-draft-device devd device-draft spec-draft-ngl ngld gpu-layers-draft n-gpu-layers-draft
-spec-draft-model md spec-type spec-ngram-mod-n-min spec-ngram-mod-n-max
+spec-type spec-ngram-mod-n-min spec-ngram-mod-n-max
 spec-ngram-mod-n-match spec-ngram-simple-size-n spec-ngram-simple-size-m
 spec-ngram-simple-min-hits spec-ngram-map-k-size-n spec-ngram-map-k-size-m
 spec-ngram-map-k-min-hits spec-ngram-map-k4v-size-n spec-ngram-map-k4v-size-m
-spec-ngram-map-k4v-min-hits draft draft-n draft-min draft-n-min spec-ngram-size-n
+spec-ngram-map-k4v-min-hits draft-min draft-n-min spec-ngram-size-n
 spec-ngram-size-m spec-ngram-min-hits spec-default
 """
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import EngineOptions
-from protocol.launch import DTYPES, SPEC_KINDS
+from protocol.launch import DTYPES, EXPERT_RESIDENCIES, SPEC_KINDS
 from router.settings import ModelSettings, SamplingOverrides
 from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from router.text.model_text import RENDERER_ARGUMENTS
@@ -133,6 +133,12 @@ def host_kv_size(text: str) -> int:
     except OptionValueError:
         raise OptionValueError(f"expected a size in MiB, 0 (off) or auto, got {text.strip()!r}"
                                ) from None
+
+
+def cpu_moe(text: str) -> str:
+    """llama.cpp's --cpu-moe switch as an expert residency: on, every
+    layer's experts in host memory; off, on the device."""
+    return "host" if boolean(text) else "device"
 
 
 def directory(text: str) -> str:
@@ -323,15 +329,46 @@ OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("model-draft", model_path, "engine.draft_model",
                 "llama.cpp's name for --draft-model", "PATH", is_path=True,
                 default_text="none"),
+    ModelOption("spec-draft-model", model_path, "engine.draft_model",
+                "llama.cpp's newer name for --draft-model", "PATH", is_path=True,
+                default_text="none"),
+    ModelOption("md", model_path, "engine.draft_model",
+                "llama.cpp's short name for --draft-model", "PATH", is_path=True,
+                default_text="none"),
     ModelOption("draft-tokens", integer(1, 64), "engine.draft_tokens",
                 "with --spec: the most draft tokens verified per request per step", "K"),
     ModelOption("draft-max", integer(1, 64), "engine.draft_tokens",
                 "llama.cpp's name for --draft-tokens", "K"),
+    ModelOption("spec-draft-n-max", integer(1, 64), "engine.draft_tokens",
+                "llama.cpp's newer name for --draft-tokens", "K"),
+    ModelOption("draft-n", integer(1, 64), "engine.draft_tokens",
+                "llama.cpp's older name for --draft-tokens", "K"),
+    ModelOption("draft", integer(1, 64), "engine.draft_tokens",
+                "llama.cpp's oldest name for --draft-tokens", "K"),
     ModelOption("spec-ngram-min", integer(1, 16), "engine.spec_ngram_min",
                 "with --spec ngram: the shortest run of newest tokens looked up", "N"),
     ModelOption("spec-ngram-max", integer(1, 16), "engine.spec_ngram_max",
                 "with --spec ngram: the longest run of newest tokens looked up (tried first)",
                 "N"),
+    ModelOption("expert-residency", choice(*EXPERT_RESIDENCIES), "engine.expert_residency",
+                "where a mixture-of-experts model's routed experts stay: device, or host "
+                "(page-locked host memory the GPU reads the selected experts from; attention, "
+                "dense layers and routers stay on the device)", "{device,host}"),
+    ModelOption("cpu-moe", cpu_moe, "engine.expert_residency",
+                "llama.cpp's switch for --expert-residency host", flag=True,
+                default_text="false"),
+    ModelOption("cmoe", cpu_moe, "engine.expert_residency",
+                "llama.cpp's short name for --cpu-moe", flag=True, default_text="false"),
+    ModelOption("n-cpu-moe", integer(0), "engine.host_expert_layers",
+                "llama.cpp's: the routed experts of the first N layers in host memory, the "
+                "rest on the device (0: none)", "N"),
+    ModelOption("ncmoe", integer(0), "engine.host_expert_layers",
+                "llama.cpp's short name for --n-cpu-moe", "N"),
+    ModelOption("expert-cache-mib", integer(0), "engine.expert_cache_mib",
+                "device memory (MiB) for a cache of recently used host-resident experts "
+                "(0: none)", "MIB"),
+    ModelOption("moe-cache-mib", integer(0), "engine.expert_cache_mib",
+                "llama.cpp's name for --expert-cache-mib", "MIB"),
     ModelOption("seed", integer(-1, 2**64 - 1), "sampling.seed",
                 "seed of requests that bring none, so repeated requests reproduce "
                 "(-1: a random seed per request)", "N", default_text="-1"),
@@ -426,9 +463,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def given_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The per-model options the command line gave, by option name."""
+    """The per-model options the command line gave, by option name. A
+    switch's value goes through its parser, as in a preset (--cpu-moe gives
+    an expert residency, not a bool)."""
     return {
-        option.name: value
+        option.name: option.parse("true" if value else "false") if option.flag else value
         for option in OPTIONS
         if not option.section_only and (value := getattr(args, option.dest, None)) is not None
     }
@@ -442,7 +481,11 @@ def resolve_settings(layers: Iterable[Mapping[str, Any]]) -> ModelSettings:
     EngineOptions refuses (e.g. max-batched-tokens below max-concurrency)."""
     merged: dict[str, Any] = {}
     for layer in layers:
-        merged.update(layer)
+        for name, value in layer.items():
+            # Moved to the end: of two names for one field (cpu-moe, cmoe),
+            # the later layer's wins below whichever layer named it first.
+            merged.pop(name, None)
+            merged[name] = value
     engine: dict[str, Any] = {}
     sampling: dict[str, Any] = {}
     fields: dict[str, Any] = {}

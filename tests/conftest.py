@@ -45,6 +45,26 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    """SmolLM2-135M (real weights) as transformers loads its GGUF, float32.
+    Once per session: dequantizing the GGUF takes transformers 10-15 s here,
+    and the engine and e2e tests only ever run it forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer of SmolLM2's GGUF (read from the GGUF: several seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> Path:
     return fixtures.qwen3_tokenizer()
 

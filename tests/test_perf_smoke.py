@@ -25,7 +25,10 @@ PERF = ROOT / "tests" / "perf"
 CPU_SCRIPTS = {
     "bench_cpu.py": ["--threads", "2"],
     "bench_embeddings.py": [],
+    "bench_gpu_draft_model.py": [],
+    "bench_gpu_moe_decode.py": [],
     "bench_gpu_kv_tiers.py": [],
+    "bench_gpu_moe.py": [],
     "bench_gpu_scores.py": [],
     "bench_gpu_speculation.py": [],
     "bench_lifecycle.py": [],
@@ -33,10 +36,11 @@ CPU_SCRIPTS = {
     "bench_router_streaming.py": [],
     "bench_speculation_cpu.py": ["--threads", "2"],
     "bench_waiting_memory.py": [],
+    "probe_disk_writers.py": [],
 }
 GPU_ONLY = [
     "agent_workload.py", "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
-    "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
+    "bench_moe_grouped.py", "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
     "profile_mixed_step.py", "profile_throughput.py",
 ]

@@ -60,6 +60,11 @@ def release_device_memory(device: torch.device) -> None:
         if clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()
+        # Host-resident experts dropped by a disk sleep (pin_memory=True
+        # blocks) would otherwise stay cached by torch's pinned allocator.
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
 
 
 def device_bytes(device: torch.device) -> int:
@@ -143,17 +148,36 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def host_resident_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights that stay in host memory whatever the device (the routed
+    experts of host-resident SparseMoE layers, which name them in
+    host_weight_names), by their model_tensors name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: getattr(module, name)
+        for prefix, module in model.named_modules()
+        for name in getattr(module, "host_weight_names", ())
+    }
+
+
+def device_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model_tensors less the host-resident ones: what the device holds."""
+    host = host_resident_tensors(model)
+    return {name: t for name, t in model_tensors(model).items() if name not in host}
+
+
 def _drop(tensors: Iterable[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 class WeightStash:
-    """A host copy of a model's weights while their device memory is freed."""
+    """A host copy of a model's weights while their device memory is freed.
+    Host-resident experts are host memory already: they stay where they are,
+    neither copied nor freed."""
 
     @torch.no_grad()
     def __init__(self, model: nn.Module, *, pin: bool) -> None:
-        tensors = model_tensors(model)
+        tensors = device_tensors(model)
         self._names = list(tensors)
         self._buffer = HostBuffer([(t.shape, t.dtype) for t in tensors.values()], pin=pin)
         for host, tensor in zip(self._buffer.tensors, tensors.values(), strict=True):
@@ -169,7 +193,7 @@ class WeightStash:
 
     @torch.no_grad()
     def put_back(self, model: nn.Module, device: torch.device) -> None:
-        tensors = model_tensors(model)
+        tensors = device_tensors(model)
         # The weights come back as views of one device block; it is freed
         # when the next sleep drops them all.
         for name, restored in zip(self._names, self._buffer.copy_to(device), strict=True):
@@ -180,7 +204,10 @@ class WeightStash:
 
 class DroppedWeights:
     """A model whose weights were freed, to be refilled from a fresh load of
-    the same model file; remembers their shapes to check that load."""
+    the same model file; remembers their shapes to check that load. Its
+    host-resident experts go too (their host memory is freed, by
+    release_device_memory, and the load reads them again), so the fresh load
+    must place its experts as the model did."""
 
     def __init__(self, model: nn.Module) -> None:
         tensors = model_tensors(model)

@@ -167,15 +167,20 @@ class MemoryLedger:
     draft_weights_bytes: int = 0
     draft_kv_bytes: int = 0
     draft_workspace_bytes: int = 0
+    # Routed experts kept in page-locked host memory (--expert-residency
+    # host, --n-cpu-moe): not in weights_bytes, since the device lacks them.
+    host_weights_bytes: int = 0
 
     def facts(self) -> MemoryFacts:
         """What the router's device ledger counts for this model (a draft
-        model's memory under weights, KV and workspace)."""
+        model's memory under weights, KV and workspace), and beside it the
+        experts in host memory."""
         return MemoryFacts(weights_bytes=self.weights_bytes + self.draft_weights_bytes,
                            kv_bytes=self.kv_bytes + self.draft_kv_bytes,
                            activation_bytes=self.activation_bytes,
                            workspace_bytes=self.workspace_bytes + self.draft_workspace_bytes,
-                           graph_bytes=self.graph_bytes)
+                           graph_bytes=self.graph_bytes,
+                           host_weights_bytes=self.host_weights_bytes)
 
     def describe(self) -> str:
         return (
@@ -192,6 +197,8 @@ class MemoryLedger:
                else "")
             + f"headroom {self.headroom_bytes / MIB:.0f} MiB; "
             f"{self.free_bytes / GIB:.2f} GiB free now"
+            + (f"; routed experts in host memory {self.host_weights_bytes / GIB:.2f} GiB "
+               "(not on the device)" if self.host_weights_bytes else "")
         )
 
 

@@ -33,6 +33,7 @@ from engine.execution.device_state import (
     release_device_memory,
 )
 from engine.execution.embeddings import PooledVectors, Pooler
+from engine.execution.expert_cache import ExpertCache
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
 from engine.execution.host_kv import HostKVPool
@@ -78,6 +79,7 @@ class ModelRunner:
         cuda_graph: bool = False,
         host_kv_slots: int = 0,
         decode_rows: int = 0,
+        expert_cache_bytes: int = 0,
     ):
         """Everything a step needs, built at once: the model's ops, a KV pool
         of num_pages pages and, with cuda_graph, the decode graphs.
@@ -87,7 +89,9 @@ class ModelRunner:
         chunks; host_kv_slots pages of host memory hold the host tier of the
         prefix cache (engine/execution/host_kv.py); decode_rows (max_batch
         if smaller) sizes the decode workspace and graphs: a verify step of
-        up to that many tokens runs as decode rows (step_inputs.py). The model keeps
+        up to that many tokens runs as decode rows (step_inputs.py);
+        expert_cache_bytes of device memory cache host-resident experts
+        (engine/execution/expert_cache.py, with our kernels). The model keeps
         the kernel ops it was given (bootstrap sets them before measuring a
         step's memory, which sizes num_pages)."""
         if num_pages < 1:
@@ -113,6 +117,8 @@ class ModelRunner:
         if use_kernels != isinstance(self.model.ops, CudaOps):
             self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv()
+        self.expert_cache_bytes = expert_cache_bytes
+        self.expert_cache = self._make_expert_cache()
         # The host tier's pages; host memory, so it stays through a sleep.
         self.host_kv = (HostKVPool(host_kv_slots, num_layers=self.config.num_layers,
                                    page_size=page_size, num_kv_heads=self.config.num_kv_heads,
@@ -136,6 +142,19 @@ class ModelRunner:
     def _make_ops(self) -> ReferenceOps:
         return make_ops(self.config, self.device, use_kernels=self.use_kernels,
                         max_batch=self.decode_rows, max_context=self.max_context)
+
+    def _make_expert_cache(self) -> ExpertCache | None:
+        if not (self.use_kernels and self.expert_cache_bytes):
+            return None
+        cache = ExpertCache(self.model, self.expert_cache_bytes, self.device)
+        if cache.layers:
+            log.info("expert cache: %d experts of each of %d host-resident layers on the "
+                     "device, %.1f MiB", cache.slots_per_layer, len(cache.layers),
+                     cache.nbytes / 2**20)
+        else:
+            log.warning("--expert-cache-mib %d holds not one expert of each host-resident "
+                        "layer: no expert cache", self.expert_cache_bytes // 2**20)
+        return cache
 
     def _capture_graphs(self) -> float:
         """With our kernels, set up the steps with prompt chunks that run
@@ -214,6 +233,9 @@ class ModelRunner:
         if self.chunk_graphs is not None:
             self.chunk_graphs.release()
         self.graphs = self.chunk_graphs = None
+        if self.expert_cache is not None:
+            self.expert_cache.release()
+            self.expert_cache = None
         self.model.ops = REFERENCE_OPS  # drops the decode workspace
         kv = KVPageStash(self.kv_caches, keep_pages, pin=pin)
         self.kv_caches = []
@@ -242,6 +264,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv()
         sleeping.kv.put_back(self.kv_caches)
         self.model.ops = self._make_ops()
+        self.expert_cache = self._make_expert_cache()
         self._sleeping = None
         # The graphs captured before the sleep pointed at freed memory.
         self._capture_graphs()
@@ -258,7 +281,9 @@ class ModelRunner:
                 f"{self.model_path} changed while the engine slept ({', '.join(changed[:3])}); "
                 "its kept KV pages belong to the old weights: the model must be loaded again"
             )
-        loaded = load_model(self.model_path, self.device, self.dtype)
+        # Experts in host memory before the sleep go there again.
+        loaded = load_model(self.model_path, self.device, self.dtype,
+                            host_expert_layers=self.model.host_expert_layers)
         if loaded.config != self.config:
             raise RuntimeError(f"{self.model_path} now describes another model than it did at load")
         return loaded.model
@@ -294,6 +319,8 @@ class ModelRunner:
         draft_masks, called once the forward pass is launched (the host fills
         grammar masks while the device runs it), gives the mask of the draft
         rows (EngineGrammar.fill_drafts), if any."""
+        if self.expert_cache is not None:
+            self.expert_cache.step()
         inputs = build_step_inputs(out, self.page_size, self.decode_rows)
         embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
                      if chunk.seq.params.pooling is not None]

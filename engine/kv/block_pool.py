@@ -9,7 +9,10 @@ check_invariants() verifies free + cached + in use == total.
 
 A cached page evicted to make room is offered to on_evict first (the host
 tier, engine/kv/host_tier.py), which queues a copy of its K/V that runs
-before anything overwrites the page. on_forget hears of every page whose
+before anything overwrites the page; with its parent's hash, which the disk
+tier's admission needs (engine/kv/disk_tier.py). A finished sequence's pages
+leave tail first (see release); the host tier puts them in chain order for
+the disk (engine/kv/host_tier.py). on_forget hears of every page whose
 hash is dropped (evicted or the cache cleared): the index of pages reusable
 to the token (engine/kv/partial_pages.py) follows the pool through it.
 """
@@ -19,8 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
-# (page, its hash, its tokens): a cached page about to be reused for others.
-EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+# (page, its parent's hash, its hash, its tokens): a cached page about to be
+# reused for others.
+EvictHook = Callable[[int, bytes, bytes, tuple[int, ...]], None]
 # A page whose hash was dropped.
 ForgetHook = Callable[[int], None]
 
@@ -37,6 +41,8 @@ class BlockPool:
         self.page_size = page_size
         self._ref_counts = [0] * num_pages
         self._hashes: list[bytes | None] = [None] * num_pages
+        # The hash of the page before each one in its chain (ROOT_HASH first).
+        self._parents: list[bytes | None] = [None] * num_pages
         self._tokens: list[tuple[int, ...] | None] = [None] * num_pages
         self._free: deque[int] = deque(range(num_pages))
         # Least recently used first.
@@ -63,11 +69,12 @@ class BlockPool:
         engine keeps these pages' contents across a sleep)."""
         return list(self._cached)
 
-    def cached_key(self, page: int) -> tuple[bytes, tuple[int, ...]]:
-        """A cached page's hash and tokens."""
-        page_hash, tokens = self._hashes[page], self._tokens[page]
-        assert page_hash is not None and tokens is not None, f"page {page} is not cached"
-        return page_hash, tokens
+    def cached_key(self, page: int) -> tuple[bytes, bytes, tuple[int, ...]]:
+        """A cached page's parent hash, hash and tokens."""
+        parent, page_hash, tokens = self._parents[page], self._hashes[page], self._tokens[page]
+        assert parent is not None and page_hash is not None and tokens is not None, (
+            f"page {page} is not cached")
+        return parent, page_hash, tokens
 
     def is_registered(self, page: int) -> bool:
         """True for a page that holds a hash (cached or in use)."""
@@ -87,7 +94,7 @@ class BlockPool:
             else:
                 page, _ = self._cached.popitem(last=False)
                 if self.on_evict is not None:
-                    self.on_evict(page, self._hashes[page], self._tokens[page])  # type: ignore[arg-type]
+                    self.on_evict(page, *self.cached_key(page))
                 self._forget(page)
             self._ref_counts[page] = 1
             pages.append(page)
@@ -121,14 +128,17 @@ class BlockPool:
                 else:
                     self._free.append(page)
 
-    def register(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> bool:
-        """Record a page that just became full so later prompts can reuse it
-        (or a partial page, engine/kv/partial_pages.py); False when it was not."""
+    def register(self, page: int, parent: bytes, page_hash: bytes, tokens: Sequence[int]
+                 ) -> bool:
+        """Record a page that just became full, after the chain parent, so
+        later prompts can reuse it (or a partial page,
+        engine/kv/partial_pages.py); False when it was not."""
         if self._hashes[page] is not None or page_hash in self._by_hash:
             # Already registered, or another sequence computed the same content
             # first: keep the first copy and let this one be freed plainly.
             return False
         self._hashes[page] = page_hash
+        self._parents[page] = parent
         self._tokens[page] = tuple(tokens)
         self._by_hash[page_hash] = page
         return True
@@ -153,6 +163,7 @@ class BlockPool:
             if self.on_forget is not None:
                 self.on_forget(page)
         self._hashes[page] = None
+        self._parents[page] = None
         self._tokens[page] = None
 
     def check_invariants(self) -> None:

@@ -166,7 +166,8 @@ class DiskRestores:
             self._in_flight -= 1
             self.disk.settle(job.page_hash, job.status, job.from_memory)
             if job.status is PageRead.OK:
-                slot = self.host.fill(job.slot, job.page_hash, job.tokens)
+                slot = self.host.fill(job.slot, restore.parents[job.page_hash], job.page_hash,
+                                      job.tokens)
                 if not restore.ended:
                     restore.read.add(job.page_hash)
                     self._keep(restore, slot, job.page_hash, job.tokens)

@@ -18,6 +18,17 @@ to on_evict first, while its bytes are still in the slot (the queued copy
 into it has not run). A page whose own copy into the slot is still queued has
 no bytes there yet: it is not offered, and that copy is cancelled.
 
+The disk writes a page only after its parent (DiskTier.spill), but the device
+evicts a finished request's pages tail first (it keeps shared prefixes
+longest), so they reach this tier children first, and plain LRU would offer
+the disk every chain backwards: orphans all, but the head. So when the least
+recently used page's parent is here too, and the disk has room, the tier
+evicts instead its first ancestor here that the disk would take (one whose
+parent is ROOT_HASH or on disk): chains leave head first, each page after its
+parent. When the disk takes nothing (its queue full, or the chain's head
+still on the device), the least recently used page goes, as before, and this
+tier keeps the rest of its chain whole.
+
 Disk restores (engine/kv/disk_restore.py) take slots in two more ways: a
 slot reserved for a page being read from disk belongs to no page (nothing
 finds, evicts or copies it) until fill() registers the page read into it or
@@ -27,16 +38,37 @@ request waiting on its restore is never evicted until released.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.kv.partial_pages import PageCopy
 from protocol import EngineStats
 
-# (slot, its page's hash, its tokens): a page about to leave the host tier.
-HostEvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+# (slot, its page's parent hash, its hash, its tokens): a page about to leave
+# the host tier.
+HostEvictHook = Callable[[int, bytes, bytes, tuple[int, ...]], None]
+
+
+class HostPage(NamedTuple):
+    """The page a slot holds: its chain parent's hash, its hash, its tokens."""
+
+    parent: bytes
+    page_hash: bytes
+    tokens: tuple[int, ...]
+
+
+class ChainStore(Protocol):
+    """The tier below, as far as the order of evictions goes (DiskTier)."""
+
+    def has_room(self) -> bool:
+        """It would queue a page now."""
+        ...
+
+    def continues(self, parent: bytes) -> bool:
+        """A page after parent would be admitted: parent is ROOT_HASH or held."""
+        ...
 
 
 class KVTier(Protocol):
@@ -50,7 +82,7 @@ class KVTier(Protocol):
 
     def take(self, slot: int) -> None: ...
 
-    def store(self, page_hash: bytes, tokens: Sequence[int]) -> int | None: ...
+    def store(self, parent: bytes, page_hash: bytes, tokens: Sequence[int]) -> int | None: ...
 
 
 @dataclass
@@ -103,16 +135,24 @@ class HostTier:
         self.counters = TierCounters()
         self.transfers = KVTransfers()
         self._free = list(range(num_slots - 1, -1, -1))
-        # Least recently used first: slot -> (hash, tokens).
-        self._slots: OrderedDict[int, tuple[bytes, tuple[int, ...]]] = OrderedDict()
+        # Least recently used first.
+        self._slots: OrderedDict[int, HostPage] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
         # Slots read by queued loads: not reused until the transfers are taken.
         self._pinned: set[int] = set()
+        # Slots whose copy from the device is queued: no bytes there yet.
+        self._storing: set[int] = set()
         # Slots a disk read fills (off the engine's loop): no page's yet.
         self._reserved: set[int] = set()
         # Pages a request waiting on its disk restore will load: kept.
         self._held: Counter[bytes] = Counter()
         self.on_evict: HostEvictHook | None = None
+        # Where evicted pages go, consulted for the order they leave in.
+        self.below: ChainStore | None = None
+        # The last least recently used page and its ancestors here, towards
+        # the chain's head, as hashes: evicting a long chain head first walks
+        # it once, not once per page (see _parent_first).
+        self._ascent: deque[bytes] = deque()
 
     @property
     def num_cached(self) -> int:
@@ -120,7 +160,7 @@ class HostTier:
 
     def find(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
         slot = self._by_hash.get(page_hash)
-        if slot is None or self._slots[slot][1] != tuple(tokens):
+        if slot is None or self._slots[slot].tokens != tuple(tokens):
             return None
         return slot
 
@@ -135,7 +175,7 @@ class HostTier:
         self.transfers.loads.append((slot, page))
         self.counters.bytes_to_device += self.page_bytes
 
-    def store(self, page_hash: bytes, tokens: Sequence[int]) -> int | None:
+    def store(self, parent: bytes, page_hash: bytes, tokens: Sequence[int]) -> int | None:
         known = self._by_hash.get(page_hash)
         if known is not None:
             self._slots.move_to_end(known)
@@ -143,28 +183,67 @@ class HostTier:
         slot = self._vacate()
         if slot is None:
             return None  # every slot is being read this step (or held): the page is dropped
-        self._slots[slot] = (page_hash, tuple(tokens))
+        self._slots[slot] = HostPage(parent, page_hash, tuple(tokens))
         self._by_hash[page_hash] = slot
         return slot
 
     def _vacate(self) -> int | None:
-        """A free slot, or the least recently used one neither pinned nor
-        held, its page evicted (offered to on_evict); None when none is."""
+        """A free slot, or one whose page is evicted (offered to on_evict):
+        the least recently used page neither pinned nor held, or an
+        ancestor of it (_parent_first); None when none can be."""
         if self._free:
             return self._free.pop()
-        slot = next((s for s, (page_hash, _) in self._slots.items()
-                     if s not in self._pinned and page_hash not in self._held), None)
+        slot = next((s for s, page in self._slots.items() if self._evictable(s, page)), None)
         if slot is None:
             return None
-        victim, victim_tokens = self._slots.pop(slot)
-        del self._by_hash[victim]
+        slot = self._parent_first(slot)
+        victim = self._slots.pop(slot)
+        del self._by_hash[victim.page_hash]
         self.counters.evicted_pages += 1
         stores = self.transfers.stores
-        if any(queued == slot for _, queued in stores):
+        if slot in self._storing:
+            self._storing.discard(slot)
             self.transfers.stores = [(p, s) for p, s in stores if s != slot]
         elif self.on_evict is not None:
-            self.on_evict(slot, victim, victim_tokens)
+            self.on_evict(slot, *victim)
         return slot
+
+    def _evictable(self, slot: int, page: HostPage) -> bool:
+        return slot not in self._pinned and page.page_hash not in self._held
+
+    def _parent_first(self, victim: int) -> int:
+        """The slot to evict in place of victim, the least recently used
+        page: the first of its ancestors here (victim included) that the
+        tier below would take, if the chain up to one is evictable here;
+        else victim. Walks are remembered in _ascent: the next eviction
+        (the same victim, or the page before it) goes on from there."""
+        below = self.below
+        if below is None or not below.has_room():
+            return victim
+        path = self._ascent
+        victim_hash = self._slots[victim].page_hash
+        # The previous walk's victims since evicted, and its heads since gone.
+        while path and path[0] != victim_hash and path[0] not in self._by_hash:
+            path.popleft()
+        if not path or path[0] != victim_hash:
+            path.clear()
+            path.append(victim_hash)
+        while len(path) > 1 and not self._offerable(path[-1]):
+            path.pop()
+        while True:
+            slot = self._by_hash[path[-1]]
+            parent = self._slots[slot].parent
+            if below.continues(parent):
+                return slot
+            if not self._offerable(parent):
+                return victim  # the chain's head is elsewhere, or kept here
+            path.append(parent)
+
+    def _offerable(self, page_hash: bytes) -> bool:
+        """The page is here, evictable, and its bytes are in its slot."""
+        slot = self._by_hash.get(page_hash)
+        return (slot is not None and slot not in self._storing
+                and self._evictable(slot, self._slots[slot]))
 
     # ---- slots filled from the disk, off the engine's loop --------------------
 
@@ -176,7 +255,7 @@ class HostTier:
             self._reserved.add(slot)
         return slot
 
-    def fill(self, slot: int, page_hash: bytes, tokens: Sequence[int]) -> int:
+    def fill(self, slot: int, parent: bytes, page_hash: bytes, tokens: Sequence[int]) -> int:
         """The page is read into reserved slot: register it; returns the slot
         that holds the page (another one when the device evicted the same
         page to this tier meanwhile: the reserved slot is then freed)."""
@@ -186,7 +265,7 @@ class HostTier:
             self._free.append(slot)
             self._slots.move_to_end(known)
             return known
-        self._slots[slot] = (page_hash, tuple(tokens))
+        self._slots[slot] = HostPage(parent, page_hash, tuple(tokens))
         self._by_hash[page_hash] = slot
         return slot
 
@@ -215,39 +294,42 @@ class HostTier:
     def num_pinned(self) -> int:
         return len(self._pinned)
 
-    def offload(self, page: int, page_hash: bytes, tokens: Sequence[int]) -> None:
+    def offload(self, page: int, parent: bytes, page_hash: bytes, tokens: Sequence[int]
+                ) -> None:
         """A device page evicted from the prefix cache: keep a copy, queued
         before anything overwrites the page. A partial page (fewer tokens
         than a page: engine/kv/partial_pages.py) is not kept: the tiers hold
         full pages only."""
         if len(tokens) != self.page_size:
             return
-        slot = self.store(page_hash, tokens)
+        slot = self.store(parent, page_hash, tokens)
         if slot is None:
             return
         self.transfers.stores.append((page, slot))
+        self._storing.add(slot)
         self.counters.stored_pages += 1
         self.counters.bytes_to_host += self.page_bytes
 
     def discard(self, slot: int) -> None:
         """Drop a slot's page and free the slot (a /slots erase)."""
-        page_hash, _ = self._slots.pop(slot)
-        del self._by_hash[page_hash]
+        del self._by_hash[self._slots.pop(slot).page_hash]
         self._pinned.discard(slot)
+        self._ascent.clear()  # it may have been on the way to a chain's head
         self._free.append(slot)
 
-    def resident(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
-        """(slot, hash, tokens) of every page whose bytes are in its slot (or
-        on their way: copies queued before), least recently used first."""
+    def resident(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
+        """(slot, parent hash, hash, tokens) of every page whose bytes are in
+        its slot (or on their way: copies queued before), least recently
+        used first."""
         queued = {slot for _, slot in self.transfers.stores}
-        return [(slot, page_hash, tokens) for slot, (page_hash, tokens) in self._slots.items()
-                if slot not in queued]
+        return [(slot, *page) for slot, page in self._slots.items() if slot not in queued]
 
     def take_transfers(self) -> KVTransfers:
         """The copies queued since the last call; their slots may be reused
         after this (the copies are ordered before any later one)."""
         transfers, self.transfers = self.transfers, KVTransfers()
         self._pinned.clear()
+        self._storing.clear()
         return transfers
 
     def report(self, stats: EngineStats) -> None:
@@ -265,7 +347,7 @@ class HostTier:
 
     def cached_hashes(self) -> list[bytes]:
         """Hashes held, least recently used first."""
-        return [page_hash for page_hash, _ in self._slots.values()]
+        return [page.page_hash for page in self._slots.values()]
 
     def check_invariants(self) -> None:
         free, cached, reserved = len(self._free), len(self._slots), len(self._reserved)
@@ -276,4 +358,4 @@ class HostTier:
             "a reserved host slot is also free or cached")
         assert len(self._by_hash) == len(self._slots), "host tier hash index is stale"
         for page_hash, slot in self._by_hash.items():
-            assert self._slots[slot][0] == page_hash, f"host slot {slot}'s hash index is stale"
+            assert self._slots[slot].page_hash == page_hash, f"host slot {slot}'s hash index is stale"

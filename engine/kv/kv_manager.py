@@ -88,6 +88,7 @@ class KVManager:
         if disk is not None:
             assert host is not None, "the disk tier takes its pages from the host tier"
             host.on_evict = disk.spill
+            host.below = disk  # chains leave the host tier head first
             self.restores = DiskRestores(disk, host, pool, self.promote)
         self.page_size = pool.page_size
         self.fingerprint = fingerprint
@@ -317,10 +318,10 @@ class KVManager:
         if self.restores is not None:
             self.restores.close()  # no slot stays reserved for a read
         pages = [(page, *self.pool.cached_key(page)) for page in self.pool.cached_pages()]
-        pages = [entry for entry in pages if not disk.find(entry[1])]
+        pages = [entry for entry in pages if not disk.find(entry[2])]
         for start in range(0, len(pages), host.num_slots):
-            for page, page_hash, tokens in pages[start : start + host.num_slots]:
-                host.offload(page, page_hash, tokens)
+            for page, parent, page_hash, tokens in pages[start : start + host.num_slots]:
+                host.offload(page, parent, page_hash, tokens)
             yield host.take_transfers()
 
     def close(self) -> None:
@@ -387,7 +388,7 @@ class KVManager:
         """Make a full page that holds tokens after the chain parent a prefix
         cache entry, and reusable to the token (unless the hash is cached
         already, in another page)."""
-        if self.pool.register(page, page_hash, tokens):
+        if self.pool.register(page, parent, page_hash, tokens):
             self.partial.add(parent, page, tokens)
 
     def free(self, seq: Sequence) -> None:
@@ -418,7 +419,8 @@ class KVManager:
         parent = seq.block_hashes[full - 1] if full else ROOT_HASH
         tokens = seq.token_ids[full * self.page_size : known]
         page = seq.block_table[full]
-        if self.pool.register(page, partial_hash(parent, tokens, self.fingerprint), tokens):
+        if self.pool.register(page, parent, partial_hash(parent, tokens, self.fingerprint),
+                              tokens):
             self.partial.add(parent, page, tokens)
 
     def check_invariants(self, running: list[Sequence]) -> None:

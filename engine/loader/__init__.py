@@ -37,6 +37,8 @@ class Checkpoint(Protocol):
     config: ModelConfig
     size_bytes: int
     pooling: Pooling | None
+    # Whether each expert matrix of a layer comes as one tensor over all experts.
+    stacked_experts: bool
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]: ...
 
@@ -46,13 +48,16 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     progress: ProgressCallback | None = None,
+    host_expert_layers: int = 0,
 ) -> LoadedModel:
     """Load a .gguf file, a directory with config.json + *.safetensors, or a
     directory holding exactly one .gguf. progress(fraction, message) is called
-    as weights load, about every 1%, and last with 1.0. Raises ValueError with
-    what to do for unsupported or incomplete checkpoints."""
+    as weights load, about every 1%, and last with 1.0. The routed experts of
+    the first host_expert_layers layers (-1: all) are filled in host memory
+    (build_model). Raises ValueError with what to do for unsupported or
+    incomplete checkpoints."""
     checkpoint = open_checkpoint(Path(path))
-    model = build_model(checkpoint.config, device, dtype)
+    model = build_model(checkpoint.config, device, dtype, host_expert_layers)
     report = _Throttled(progress)
     report(0.0)
     _fill_weights(model, checkpoint, report)
@@ -86,7 +91,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def _fill_weights(model: CausalLM, checkpoint: Checkpoint, report: _Throttled) -> None:
-    destinations = model.weight_destinations()
+    destinations = model.weight_destinations(stacked_experts=checkpoint.stacked_experts)
     with torch.no_grad():
         for name, tensor, fraction in checkpoint.tensors():
             dest = destinations.pop(name, None)

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from engine.loader.pooling import gguf_pooling
 from engine.models import model_class
 from engine.models.config import ModelConfig
+from engine.models.moe import ExpertTensorNames
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -33,7 +34,12 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture-of-experts tensors: the router, and each expert matrix either stacked
+# over the experts ([E, rows, cols]) or, in old Mixtral files, one per expert.
+_ROUTER = "ffn_gate_inp"
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Tensors that ModelConfig.from_gguf reads as settings rather than weights.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 _PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
@@ -51,7 +57,13 @@ class GGUFCheckpoint:
         self.config = ModelConfig.from_gguf(self.reader)
         self.size_bytes = path.stat().st_size
         self.pooling = gguf_pooling(_metadata_value(self.reader, "pooling_type"))
-        self._unpermute_qk = model_class(self.config.architecture).gguf_permuted_qk
+        cls = model_class(self.config.architecture)
+        self._unpermute_qk = cls.gguf_permuted_qk
+        self._expert_names = cls.expert_tensor_names
+        # llama.cpp's converter stacks the experts; old Mixtral files list them one by one.
+        self.stacked_experts = any(
+            t.name.split(".")[-2] in _STACKED_EXPERTS for t in self.reader.tensors
+        )
         _check_tensor_types(self.reader, path)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
@@ -62,7 +74,7 @@ class GGUFCheckpoint:
             done += int(tensor.n_bytes)
             if tensor.name in _CONFIG_TENSORS:
                 continue
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self._expert_names)
             array = _to_numpy(tensor)
             if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = unpermute_rows(array, self.config.num_heads)
@@ -71,15 +83,36 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(array), done / total
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor; ValueError for unknown tensors."""
+def hf_name(gguf_name: str, experts: ExpertTensorNames | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor; ValueError for unknown tensors.
+
+    Expert tensors need the architecture's expert names; a stacked one
+    (ffn_gate_exps) is named <block>.experts.<gate>.weight, the slot that
+    SparseMoE.stacked_weight_destinations gives it."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    unknown = ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
+    match = _EXPERT_TENSOR.fullmatch(gguf_name)
+    if match is not None:
+        if experts is None:
+            raise unknown
+        layer, matrix, expert = match.groups()
+        return (f"model.layers.{layer}.{experts.block}.experts.{expert}."
+                f"{getattr(experts, matrix)}.weight")
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
+    if match is None:
+        raise unknown
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    if kind in _BLOCK_NAMES:
+        return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    if experts is None or suffix != "weight":
+        raise unknown
+    if kind == _ROUTER:
+        return f"model.layers.{layer}.{experts.block}.{experts.router}.weight"
+    if kind in _STACKED_EXPERTS:
+        matrix = getattr(experts, _STACKED_EXPERTS[kind])
+        return f"model.layers.{layer}.{experts.block}.experts.{matrix}.weight"
+    raise unknown
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -19,6 +19,9 @@ _INDEX_FILE = "model.safetensors.index.json"
 class HFCheckpoint:
     """A Hugging Face model directory: its ModelConfig and its safetensors tensors."""
 
+    # Hugging Face checkpoints name each expert's matrices on their own.
+    stacked_experts = False
+
     def __init__(self, directory: Path) -> None:
         self.path = directory
         self.config = ModelConfig.from_hf_config(read_hf_config(directory))

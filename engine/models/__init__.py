@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.decoder import CausalLM
+from engine.models.decoder import CausalLM, experts_on_host
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -17,8 +17,10 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
                 Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 }
-_GGUF_ARCHITECTURES: dict[str, str] = {
-    cls.gguf_architecture: name for name, cls in ARCHITECTURES.items() if cls.gguf_architecture
+# (general.architecture, whether the file has experts) -> HF architecture name.
+_GGUF_ARCHITECTURES: dict[tuple[str, bool], str] = {
+    (cls.gguf_architecture, cls.gguf_has_experts): name
+    for name, cls in ARCHITECTURES.items() if cls.gguf_architecture
 }
 
 
@@ -33,20 +35,38 @@ def model_class(architecture: str) -> type[CausalLM]:
     return cls
 
 
-def gguf_architecture(name: str) -> str:
-    """The HF architecture name for a GGUF general.architecture value."""
-    architecture = _GGUF_ARCHITECTURES.get(name)
+def gguf_architecture(name: str, has_experts: bool = False) -> str:
+    """The HF architecture name for a GGUF general.architecture value, and
+    whether the file's metadata names experts ({name}.expert_count > 0)."""
+    architecture = _GGUF_ARCHITECTURES.get((name, has_experts))
     if architecture is None:
+        supported = sorted(f"{arch} (with experts)" if experts else arch
+                           for arch, experts in _GGUF_ARCHITECTURES)
+        kind = "with" if has_experts else "without"
         raise ValueError(
-            f"GGUF architecture {name!r} is not supported; "
-            f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
+            f"GGUF architecture {name!r} {kind} experts is not supported; "
+            f"supported: {', '.join(supported)}"
         )
     return architecture
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """A model of config's architecture with uninitialized weights on device."""
-    return model_class(config.architecture)(config, device, dtype)
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                host_expert_layers: int = 0) -> CausalLM:
+    """A model of config's architecture with uninitialized weights on device,
+    but the routed experts of the first host_expert_layers layers (-1: all)
+    in host memory. ValueError when those layers have no experts: the option
+    asking for it would do nothing."""
+    if host_expert_layers and not any(
+            config.moe is not None and config.moe.is_sparse(layer)
+            and experts_on_host(layer, host_expert_layers)
+            for layer in range(config.num_layers)):
+        where = ("has no experts" if config.moe is None
+                 else f"has no experts in its first {host_expert_layers} layers")
+        option = ("--expert-residency host (--cpu-moe)" if host_expert_layers < 0
+                  else f"--n-cpu-moe {host_expert_layers}")
+        raise ValueError(f"{option}: {config.architecture} {where}; drop the option for "
+                         "this model")
+    return model_class(config.architecture)(config, device, dtype, host_expert_layers)
 
 
 __all__ = [

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gguf.quants import dequantize
 
 from kernels.reference import SUPPORTED_ROPE_TYPES
+
+if TYPE_CHECKING:  # the model classes import this module
+    from engine.models.decoder import CausalLM
 
 # Keys a rope scaling dict of each type must carry.
 _ROPE_KEYS = {
@@ -163,11 +166,14 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, reader: Any) -> ModelConfig:
         """Read the metadata of a gguf.GGUFReader."""
-        from engine.models import gguf_architecture
+        from engine.models import gguf_architecture, model_class
 
         meta = _GGUFFields(reader)
         arch = meta.architecture
-        architecture = gguf_architecture(arch)
+        num_experts = int(meta.get(f"{arch}.expert_count", 0))
+        architecture = gguf_architecture(arch, has_experts=num_experts > 0)
+        num_layers = int(meta.get(f"{arch}.block_count"))
+        moe = _gguf_moe(meta, model_class(architecture), num_experts, num_layers)
         hidden = int(meta.get(f"{arch}.embedding_length"))
         num_heads = int(meta.get(f"{arch}.attention.head_count"))
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
@@ -182,8 +188,10 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=meta.vocab_size(),
             hidden_size=hidden,
-            intermediate_size=int(meta.get(f"{arch}.feed_forward_length")),
-            num_layers=int(meta.get(f"{arch}.block_count")),
+            # All-sparse models have no dense MLP; some files lack the key then.
+            intermediate_size=int(meta.get(f"{arch}.feed_forward_length",
+                                           moe.intermediate_size if moe else _REQUIRED)),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=meta.uniform_int(f"{arch}.attention.head_count_kv", num_heads),
             head_dim=head_dim,
@@ -195,7 +203,51 @@ class ModelConfig:
             attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
             qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"),
             o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
+            moe=moe,
         )
+
+
+def _gguf_moe(meta: _GGUFFields, model_cls: type[CausalLM], num_experts: int,
+              num_layers: int) -> MoEConfig | None:
+    """The MoE facts of a GGUF file with experts, after checking that every
+    sparse layer holds its router and experts (stacked, or one per expert as
+    old Mixtral files have them)."""
+    if num_experts == 0:
+        return None
+    arch = meta.architecture
+    size = meta.get(f"{arch}.expert_feed_forward_length", None)
+    if size is None:  # Mixtral files give the expert size as feed_forward_length
+        size = meta.get(f"{arch}.feed_forward_length")
+    weights_norm = meta.get(f"{arch}.expert_weights_norm", None)
+    moe = model_cls.gguf_moe(
+        num_experts=num_experts,
+        experts_per_token=int(meta.get(f"{arch}.expert_used_count")),
+        intermediate_size=int(size),
+        weights_norm=None if weights_norm is None else bool(weights_norm),
+        num_layers=num_layers,
+    )
+    for layer in moe.sparse_layers:
+        missing = _missing_expert_tensors(meta, layer, num_experts)
+        if missing:
+            raise ValueError(
+                f"GGUF layer {layer} lacks its experts ({', '.join(missing)}); a {arch} "
+                f"file with {arch}.expert_count = {num_experts} must have them in every layer"
+            )
+    return moe
+
+
+def _missing_expert_tensors(meta: _GGUFFields, layer: int, num_experts: int) -> list[str]:
+    """The router, and each matrix stacked (ffn_gate_exps) or, in old Mixtral
+    files, one per expert (ffn_gate.E); the stacked name stands for both."""
+    router = f"blk.{layer}.ffn_gate_inp.weight"
+    missing = [] if meta.has_tensor(router) else [router]
+    for matrix in ("gate", "up", "down"):
+        stacked = f"blk.{layer}.ffn_{matrix}_exps.weight"
+        per_expert = all(meta.has_tensor(f"blk.{layer}.ffn_{matrix}.{expert}.weight")
+                         for expert in range(num_experts))
+        if not meta.has_tensor(stacked) and not per_expert:
+            missing.append(stacked)
+    return missing
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:

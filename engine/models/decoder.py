@@ -144,13 +144,25 @@ class DecoderLayer(nn.Module):
                                             self.eps)
         return self.mlp(hidden, ops), residual
 
-    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+    def weight_destinations(self, prefix: str, stacked_experts: bool = False
+                            ) -> dict[str, torch.Tensor]:
+        mlp_prefix = f"{prefix}.{self.mlp.checkpoint_name}"
+        if stacked_experts and isinstance(self.mlp, SparseMoE):
+            mlp = self.mlp.stacked_weight_destinations(mlp_prefix)
+        else:
+            mlp = self.mlp.weight_destinations(mlp_prefix)
         return {
             f"{prefix}.input_layernorm.weight": self.input_norm_weight,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_norm_weight,
             **self.self_attn.weight_destinations(f"{prefix}.self_attn"),
-            **self.mlp.weight_destinations(f"{prefix}.{self.mlp.checkpoint_name}"),
+            **mlp,
         }
+
+
+def experts_on_host(layer: int, host_expert_layers: int) -> bool:
+    """Whether a layer's routed experts stay in host memory when the first
+    host_expert_layers layers' do (-1: every layer's)."""
+    return host_expert_layers < 0 or layer < host_expert_layers
 
 
 class CausalLM(nn.Module):
@@ -166,6 +178,9 @@ class CausalLM(nn.Module):
     gguf_permuted_qk: ClassVar[bool] = False
     # How checkpoints of a mixture-of-experts architecture name the experts.
     expert_tensor_names: ClassVar[ExpertTensorNames] = QWEN_EXPERT_NAMES
+    # Whether this class's GGUF files carry experts ({arch}.expert_count > 0):
+    # llama.cpp writes Llama and Mixtral under the same "llama" architecture.
+    gguf_has_experts: ClassVar[bool] = False
 
     @classmethod
     def hf_traits(cls, cfg: dict[str, Any]) -> AttentionTraits:
@@ -177,9 +192,20 @@ class CausalLM(nn.Module):
         """The mixture-of-experts facts of config.json; None for a dense model."""
         return None
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    @classmethod
+    def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,
+                 weights_norm: bool | None, num_layers: int) -> MoEConfig:
+        """The mixture-of-experts facts of a GGUF file's {arch}.expert_* keys
+        (weights_norm: expert_weights_norm, None where the file lacks it)."""
+        raise ValueError(f"{cls.__name__} GGUF files have no experts")
+
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                 host_expert_layers: int = 0) -> None:
+        """host_expert_layers: how many of the first layers keep their routed
+        experts in host memory (SparseMoE.host_resident); -1: every layer."""
         super().__init__()
         self.config = config
+        self.host_expert_layers = host_expert_layers
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
@@ -207,7 +233,8 @@ class CausalLM(nn.Module):
     def _mlp(self, config: ModelConfig, layer: int, device: torch.device | str,
              dtype: torch.dtype) -> MLP | SparseMoE:
         if config.moe is not None and config.moe.is_sparse(layer):
-            return SparseMoE(config, self.expert_tensor_names, device, dtype)
+            return SparseMoE(config, self.expert_tensor_names, device, dtype,
+                             host_resident=experts_on_host(layer, self.host_expert_layers))
         return MLP(config, device, dtype)
 
     def forward(
@@ -234,9 +261,11 @@ class CausalLM(nn.Module):
         """[N, H] -> float32 [N, vocab_size]."""
         return F.linear(hidden, self.lm_head).float()
 
-    def weight_destinations(self) -> dict[str, torch.Tensor]:
+    def weight_destinations(self, stacked_experts: bool = False) -> dict[str, torch.Tensor]:
         """Every weight slot (a parameter or a row slice of a fused one) by its
-        Hugging Face tensor name; a tied lm_head has no slot of its own."""
+        Hugging Face tensor name; a tied lm_head has no slot of its own.
+        stacked_experts: one slot per expert matrix of a layer rather than one
+        per expert (SparseMoE.stacked_weight_destinations)."""
         dests = {
             "model.embed_tokens.weight": self.embed_tokens,
             "model.norm.weight": self.norm_weight,
@@ -244,5 +273,5 @@ class CausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             dests["lm_head.weight"] = self.lm_head
         for index, layer in enumerate(self.layers):
-            dests.update(layer.weight_destinations(f"model.layers.{index}"))
+            dests.update(layer.weight_destinations(f"model.layers.{index}", stacked_experts))
         return dests

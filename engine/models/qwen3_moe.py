@@ -3,6 +3,8 @@
 A layer is sparse unless it is listed in mlp_only_layers, when the model has
 experts and (layer + 1) is a multiple of decoder_sparse_step; the other layers
 keep a dense MLP of intermediate_size, as transformers builds them.
+llama.cpp's qwen3moe GGUFs make every layer sparse and stack the experts per
+matrix (ffn_*_exps, expert_feed_forward_length rows).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    # llama.cpp's qwen3moe GGUFs stack the experts (ffn_*_exps): not read yet.
-    gguf_architecture = None
+    gguf_architecture = "qwen3moe"
+    gguf_has_experts = True
 
     @classmethod
     def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
@@ -41,4 +43,18 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             normalize_topk=bool(cfg.get("norm_topk_prob", False)),
             sparse_layers=tuple(layer for layer in range(layers)
                                 if layer not in dense_only and (layer + 1) % step == 0),
+        )
+
+    @classmethod
+    def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,
+                 weights_norm: bool | None, num_layers: int) -> MoEConfig:
+        # convert_hf_to_gguf.py writes no norm_topk_prob for qwen3moe and
+        # llama.cpp's qwen3moe graph always renormalises (as every released
+        # Qwen3-MoE's config does); a file that says otherwise is obeyed.
+        return MoEConfig(
+            num_experts=num_experts,
+            experts_per_token=experts_per_token,
+            intermediate_size=intermediate_size,
+            normalize_topk=True if weights_norm is None else weights_norm,
+            sparse_layers=tuple(range(num_layers)),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 from engine.execution.chunk_graphs import chunk_graph_tokens
 from engine.execution.cuda_graphs import decode_row_capacity
-from engine.execution.device_state import model_tensors
+from engine.execution.device_state import device_tensors, host_resident_tensors
 from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
 from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
@@ -76,7 +77,8 @@ def build_engine(
     if config.draft_model:
         # Before any weights load: a draft of another vocabulary is refused at once.
         check_same_vocabulary(model_path, Path(config.draft_model))
-    loaded = load_model(model_path, device, dtype, progress)
+    loaded = load_model(model_path, device, dtype, progress,
+                        host_expert_layers=config.host_expert_layer_count)
     return assemble_engine(loaded, model_path, config, progress, emit)
 
 
@@ -100,6 +102,10 @@ def assemble_engine(
         log.warning("our CUDA kernels need CuPy (pip install 'roundhouse[cuda13]' or "
                     "'[cuda12]'), bfloat16 and head size 64 or 128 (this model: %s, %d): running "
                     "the torch reference ops, without CUDA graphs", dtype, model.head_dim)
+    if device.type == "cuda" and config.host_experts and not use_kernels:
+        raise ValueError("host-resident experts (--expert-residency host, --n-cpu-moe) are read "
+                         "by our CUDA kernels, which need CuPy and bfloat16: install "
+                         "'roundhouse[cuda13]' (or [cuda12]) and serve in bfloat16")
     sampler = Sampler(device, config.seed, use_kernel=use_kernels)
     served_context = config.max_context or model.max_position_embeddings
     # The ops first: the step whose memory sizes the KV pool runs on them.
@@ -109,12 +115,17 @@ def assemble_engine(
                                 max_batch=decode_rows, max_context=served_context)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
     weights_bytes = loaded_weights_bytes(loaded)
+    host_weights_bytes = _log_host_experts(loaded, device)
     # Loaded before the step is measured, so the free memory read after it
     # already leaves out the draft's weights.
-    draft = _load_draft(config, device, dtype, served_context)
+    draft = _load_draft(config, device, dtype, served_context, decode_rows)
     draft_weights_bytes = loaded_weights_bytes(draft) if draft is not None else 0
     draft_bytes_per_token = (draft.config.kv_bytes_per_token(dtype) if draft is not None else 0)
     headroom_bytes = config.kv_headroom_mib * 2**20
+    expert_cache_bytes = config.expert_cache_mib * 2**20
+    if expert_cache_bytes and device.type != "cuda":
+        raise ValueError("--expert-cache-mib caches host-resident experts in a GPU's memory; "
+                         "on the CPU every expert is in host memory already: drop the option")
     budget = None
     cuda_graph = config.cuda_graph and use_kernels
     if device.type == "cuda":
@@ -124,7 +135,9 @@ def assemble_engine(
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
             chunk_graph_tokens=chunk_graph_tokens(config.max_batched_tokens) if cuda_graph else 0,
         )
-        budget = kv_budget_bytes(peaks, headroom_bytes, device, cuda_graph,
+        # The expert cache (engine/execution/expert_cache.py) is allocated with
+        # the model runner, after the pool is planned: its room is set aside.
+        budget = kv_budget_bytes(peaks, headroom_bytes + expert_cache_bytes, device, cuda_graph,
                                  grant_bytes=config.device_memory_mib * 2**20,
                                  weights_bytes=weights_bytes + draft_weights_bytes)
     # The draft model's KV pool gets as many pages as the target's: the
@@ -155,7 +168,11 @@ def assemble_engine(
         max_batch=config.max_concurrency, max_context=plan.max_context,
         max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
         host_kv_slots=host_plan.num_slots, decode_rows=decode_rows,
+        expert_cache_bytes=expert_cache_bytes if use_kernels else 0,
     )
+    if cuda_graph and isinstance(drafter, DraftModelDrafter) \
+            and isinstance(drafter.model.ops, CudaOps):
+        _capture_draft_graphs(drafter, config, decode_rows, plan.max_context, device)
     if host_plan.num_slots:
         log.info("host memory ledger: KV host tier %.1f MiB (%d pages of %d tokens, %s), "
                  "of %.1f MiB the tier may take (host memory available less the reserve)",
@@ -165,12 +182,14 @@ def assemble_engine(
     if device.type == "cuda":
         ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
                          headroom_bytes, weights_bytes, draft_weights_bytes, drafter)
+        ledger = dataclasses.replace(ledger, host_weights_bytes=host_weights_bytes)
         log.info("%s", ledger.describe())
         memory = ledger.facts()
     else:
         draft_kv_bytes = drafter.kv_bytes if isinstance(drafter, DraftModelDrafter) else 0
         memory = MemoryFacts(weights_bytes=weights_bytes + draft_weights_bytes,
-                             kv_bytes=plan.total_bytes + draft_kv_bytes)
+                             kv_bytes=plan.total_bytes + draft_kv_bytes,
+                             host_weights_bytes=host_weights_bytes)
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
@@ -231,7 +250,7 @@ def assemble_engine(
 
 
 def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,
-                served_context: int) -> LoadedModel | None:
+                served_context: int, decode_rows: int) -> LoadedModel | None:
     """The draft model of --spec draft, on the target's device and dtype with
     the same kind of ops (our kernels where they run), or None."""
     if config.spec != "draft" or not config.draft_model:
@@ -243,8 +262,21 @@ def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,
             f"tokens of context, less than the {served_context} served: lower --max-context")
     draft.model.ops = make_ops(draft.config, device,
                                use_kernels=kernels_usable(device, dtype, draft.config),
-                               max_batch=config.max_concurrency, max_context=served_context)
+                               max_batch=decode_rows, max_context=served_context)
     return draft
+
+
+def _capture_draft_graphs(drafter: DraftModelDrafter, config: EngineOptions,
+                          decode_rows: int, max_context: int, device: torch.device) -> None:
+    """The draft model's drafting rounds as CUDA graphs: a catch-up of up to
+    decode_rows tokens (a verify step's worth), chains for every lane."""
+    reserved = torch.cuda.memory_reserved(device)
+    started = time.monotonic()
+    drafter.enable_graphs(catch_up_rows=decode_rows, max_rows=config.max_concurrency,
+                          max_tokens=config.draft_tokens, max_context=max_context)
+    assert drafter.graphs is not None
+    log.info("draft model: captured %d CUDA graphs in %.2fs, %.1f MiB", drafter.graphs.count,
+             time.monotonic() - started, (torch.cuda.memory_reserved(device) - reserved) / 2**20)
 
 
 def _drafter(config: EngineOptions, draft: LoadedModel | None, plan: KvPlan,
@@ -299,8 +331,28 @@ def _disk_tier(config: EngineOptions, model_path: Path, runner: ModelRunner,
 
 
 def loaded_weights_bytes(loaded: LoadedModel) -> int:
-    """Device bytes of the weights and buffers (a tied lm_head once)."""
-    return sum(t.numel() * t.element_size() for t in model_tensors(loaded.model).values())
+    """Device bytes of the weights and buffers (a tied lm_head once); the
+    routed experts kept in host memory are not among them."""
+    return sum(t.numel() * t.element_size() for t in device_tensors(loaded.model).values())
+
+
+def host_weights_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the routed experts kept in host memory (--expert-residency
+    host, --n-cpu-moe)."""
+    return sum(t.numel() * t.element_size()
+               for t in host_resident_tensors(loaded.model).values())
+
+
+def _log_host_experts(loaded: LoadedModel, device: torch.device) -> int:
+    """The host memory ledger's line for host-resident experts; their bytes."""
+    nbytes = host_weights_bytes(loaded)
+    if nbytes:
+        layers = sum(1 for m in loaded.model.modules() if getattr(m, "host_resident", False))
+        log.info("host memory ledger: routed experts of %d of %d layers %.1f MiB (%s), "
+                 "read by the device from there; not in the device's weights",
+                 layers, loaded.config.num_layers, nbytes / 2**20,
+                 "page-locked" if device.type == "cuda" else "plain memory")
+    return nbytes
 
 
 def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
@@ -316,7 +368,8 @@ def _ledger(runner: ModelRunner, peaks: StepPeaks, kv_bytes: int, kv_pages: int,
         kv_pages=kv_pages,
         kv_tokens=kv_tokens,
         activation_bytes=peaks.activation_bytes,
-        workspace_bytes=ops.workspace_bytes() if isinstance(ops, CudaOps) else 0,
+        workspace_bytes=(ops.workspace_bytes() if isinstance(ops, CudaOps) else 0)
+        + (runner.expert_cache.nbytes if runner.expert_cache is not None else 0),
         graph_bytes=runner.graph_bytes,
         graph_count=runner.graph_count,
         headroom_bytes=headroom_bytes,

@@ -13,9 +13,12 @@ pages are freed when it ends (forget); when the pool runs short, the least
 recently drafted requests outside the call give theirs up, and a row that
 still does not fit gets no draft this step.
 
-This first version runs eagerly (our kernels on CUDA, the torch reference on
-the CPU) and reads each position's tokens back before the next: CUDA graphs
-for the draft's decode positions are a later step.
+On a GPU with graphs (enable_graphs), a round whose catch-up is a few
+tokens per row (the usual case: what the target accepted last step) replays
+CUDA graphs end to end and reads the draft back once
+(engine/execution/draft_graphs.py); a round with a long catch-up (a new
+request's prompt) runs eagerly, our kernels on CUDA or the torch reference on
+the CPU, one forward pass per position.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.execution.device_state import WeightStash
+from engine.execution.draft_graphs import DraftGraphs
 from engine.execution.model_ops import CudaOps
 from engine.execution.step_inputs import DeviceInputs, StepInputs, slots_of
 from engine.models import CausalLM
@@ -73,6 +77,26 @@ class DraftModelDrafter:
         self._inputs = DeviceInputs(device)
         self._calls = 0
         self._stash: WeightStash | None = None  # the weights while asleep on a GPU
+        self._graph_shape: dict[str, int] | None = None  # enable_graphs' arguments
+        self.graphs: DraftGraphs | None = None
+        self.graph_rounds = 0  # rounds drafted through the graphs (the rest ran eagerly)
+
+    def enable_graphs(self, *, catch_up_rows: int, max_rows: int, max_tokens: int,
+                      max_context: int) -> None:
+        """Capture CUDA graphs for drafting rounds of up to max_rows rows of
+        up to max_tokens guesses, whose catch-up feeds at most catch_up_rows
+        tokens (the model's ops must be our kernels, workspace sized for
+        that many rows); captured again after every wake."""
+        self._graph_shape = {"catch_up_rows": catch_up_rows, "max_rows": max_rows,
+                             "max_tokens": max_tokens, "max_context": max_context}
+        self._capture()
+
+    def _capture(self) -> None:
+        assert self._graph_shape is not None
+        self.graphs = DraftGraphs(self.model, self.kv_caches, page_size=self.page_size,
+                                  vocab_limit=self.vocab_limit, device=self.device,
+                                  **self._graph_shape)
+        self.graphs.capture()
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = self.model.config.kv_cache_shape(self.num_pages, self.page_size)
@@ -89,6 +113,7 @@ class DraftModelDrafter:
             self.forget(key)
         if self.device.type != "cuda" or self._stash is not None:
             return  # on the CPU the weights and the pool are host memory already
+        self.graphs = None  # they point at the pool and the weights' addresses
         self.kv_caches = []
         self._stash = WeightStash(self.model, pin=True)
 
@@ -98,6 +123,8 @@ class DraftModelDrafter:
         self._stash.put_back(self.model, self.device)
         self._stash = None
         self.kv_caches = self._allocate_kv()
+        if self._graph_shape is not None:
+            self._capture()
 
     @property
     def kv_bytes(self) -> int:
@@ -154,6 +181,11 @@ class DraftModelDrafter:
             segments.append(_Segment(cache, tokens[keep:], keep))
         if not active:
             return drafts
+        catch_up = sum(len(segment.token_ids) for segment in segments)
+        pages = max(len(cache.pages) for _, cache, _ in active)
+        if (self.graphs is not None and self.graphs.handles(catch_up, len(active), pages)
+                and all(row.max_tokens <= self.graphs.max_tokens for _, _, row in active)):
+            return self._draft_from_graphs(drafts, active, segments)
         guesses = self._catch_up(segments)
         for (index, cache, row), guess in zip(active, guesses, strict=True):
             cache.tokens = list(row.token_ids)
@@ -166,6 +198,46 @@ class DraftModelDrafter:
             for (index, cache), guess in zip(going, self._forward(feed), strict=True):
                 cache.tokens.append(drafts[index][-1])
                 drafts[index].append(guess)
+        return drafts
+
+    def _draft_from_graphs(self, drafts: list[list[int]],
+                           active: list[tuple[int, _DraftCache, DraftRow]],
+                           segments: list[_Segment]) -> list[list[int]]:
+        """The round through DraftGraphs: the catch-up tokens as decode rows,
+        then the chain of guesses, read back once."""
+        assert self.graphs is not None
+        self.graph_rounds += 1
+        counts = np.array([len(segment.token_ids) for segment in segments], dtype=np.int64)
+        starts = np.array([segment.start for segment in segments], dtype=np.int64)
+        tables = np.zeros((len(segments), max(len(s.cache.pages) for s in segments)),
+                          dtype=np.int32)
+        for row, segment in enumerate(segments):
+            tables[row, : len(segment.cache.pages)] = segment.cache.pages
+        row_of_token = np.repeat(np.arange(len(segments)), counts)
+        first_token = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        positions = np.arange(len(row_of_token), dtype=np.int64) - first_token[row_of_token] \
+            + starts[row_of_token]
+        catch_up = StepInputs(
+            input_ids=np.fromiter((t for s in segments for t in s.token_ids), dtype=np.int64,
+                                  count=int(counts.sum())),
+            positions=positions,
+            slot_mapping=slots_of(tables, row_of_token, positions, self.page_size),
+            query_start_loc=np.arange(len(row_of_token) + 1, dtype=np.int32),
+            seq_lens=(positions + 1).astype(np.int32),
+            block_tables=tables[row_of_token],
+            sample_rows=[],
+            sample_seqs=[],
+        )
+        lengths = [row.max_tokens for _, _, row in active]
+        guesses = self.graphs.draft(
+            catch_up, last_rows=(first_token + counts - 1).tolist(),
+            starts=[len(row.token_ids) for _, _, row in active], lengths=lengths,
+            tables=torch.from_numpy(tables))
+        for (index, cache, row), guess in zip(active, guesses, strict=True):
+            # K/V is now held for the row's tokens and every guess but the last.
+            cache.tokens = list(row.token_ids) + guess[:-1]
+            cache.known = len(row.token_ids)
+            drafts[index] = guess
         return drafts
 
     def _fit(self, cache: _DraftCache, positions: int, keep: set[str]) -> bool:

@@ -71,7 +71,8 @@ def device_memory(manager: ModelManager, slot: ModelSlot) -> dict[str, Any]:
     null before its first placement), `planned_bytes` (what the planner
     counts for it: its grant's plan, or the estimate of a model not yet
     loaded; null when it is not planned by bytes) and `held` (what its
-    engine reported holding, by kind; null unless loaded or asleep)."""
+    engine reported holding, by kind, and the experts it keeps in host memory;
+    null unless loaded or asleep)."""
     placement = slot.placement
     planned: int | None = None
     if placement is not None and placement.gpu is not None:
@@ -86,7 +87,8 @@ def device_memory(manager: ModelManager, slot: ModelSlot) -> dict[str, Any]:
         held = {"weights_bytes": memory.weights_bytes, "kv_bytes": memory.kv_bytes,
                 "activation_bytes": memory.activation_bytes,
                 "workspace_bytes": memory.workspace_bytes, "graph_bytes": memory.graph_bytes,
-                "footprint_bytes": memory.footprint_bytes}
+                "footprint_bytes": memory.footprint_bytes,
+                "host_weights_bytes": memory.host_weights_bytes}
     device = placement.engine_device if placement is not None else None
     return {"device": device, "planned_bytes": planned, "held": held}
 

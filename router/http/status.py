@@ -104,6 +104,7 @@ def _counters(slot: ModelSlot) -> dict[str, int]:
         "disk_kv_bytes_written": int(totals["disk_kv_bytes_written_total"]),
         "disk_kv_corrupt_pages": int(totals["disk_kv_corrupt_pages_total"]),
         "disk_kv_dropped_pages": int(totals["disk_kv_dropped_pages_total"]),
+        "disk_kv_orphan_pages": int(totals["disk_kv_orphan_pages_total"]),
         "disk_kv_deadline_hits": int(totals["disk_kv_deadline_hits_total"]),
         # Of cached_prompt_tokens, those reused to the token from a page
         # beyond the whole pages (engine/kv/partial_pages.py).

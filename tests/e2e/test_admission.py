@@ -118,7 +118,8 @@ def test_the_snapshots_answer_while_the_engine_is_busy(server: Server) -> None:
 def test_without_a_limit_the_answer_runs_to_its_end(tmp_path, tiny_qwen3_dir) -> None:  # type: ignore[no-untyped-def]
     models = tmp_path / "models"
     models.mkdir()
-    scripted_model(models / "many-lanes", tiny_qwen3_dir, QWEN3_SCRIPT)
+    # Nothing here acts mid-stream: the long story's 1,000-odd steps run unpaced.
+    scripted_model(models / "many-lanes", tiny_qwen3_dir, {**QWEN3_SCRIPT, "step_seconds": 0})
     # 64 lanes share the scripted engine's 16,384-token pool (256 each): no
     # longer a cap, the context left after the prompt is (router/output_budget.py).
     args = ["--models-dir", str(models), "--max-concurrency", "64", "--max-batched-tokens", "512"]

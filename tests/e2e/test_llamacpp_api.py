@@ -11,10 +11,11 @@ import torch
 
 from router.text.model_text import ModelText
 from tests.e2e.llamacpp_support import bos_model, stream_events
-from tests.engine.conftest import smollm2_reference  # noqa: F401 (a fixture)
 from tests.support.server import Server, running_server
 
-pytestmark = pytest.mark.slow
+# One torch thread for transformers' reference beside the servers: two would
+# stall each other whenever a server process takes one of the two cores.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # PROMPT in SmolLM2's vocabulary
@@ -302,7 +303,7 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[i
     return torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
 
 
-def test_n_probs_are_the_raw_log_probabilities(server: Server, smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+def test_n_probs_are_the_raw_log_probabilities(server: Server, smollm2_reference: torch.nn.Module) -> None:
     body = complete(server, prompt=PROMPT, n_predict=6, n_probs=3, return_tokens=True)
     entries = body["completion_probabilities"]
     assert [e["id"] for e in entries] == body["tokens"] and len(entries) == 6
@@ -332,7 +333,7 @@ def test_n_probs_are_the_raw_log_probabilities(server: Server, smollm2_reference
 
 
 def test_post_sampling_probs_are_the_sampling_distribution(server: Server,
-                                                           smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+                                                           smollm2_reference: torch.nn.Module) -> None:
     # Greedy: the chosen token had probability 1 and was the only candidate.
     greedy = complete(server, prompt=PROMPT, n_predict=4, n_probs=5, post_sampling_probs=True)
     for entry in greedy["completion_probabilities"]:

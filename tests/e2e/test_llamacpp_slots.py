@@ -109,6 +109,9 @@ def test_damaged_files_unknown_slots_and_actions_are_400(slots_server: Server) -
 
 def test_concurrent_actions_on_one_slot_all_complete(slots_server: Server) -> None:
     complete(slots_server, PROMPT, id_slot=1)
+    # one.bin exists before the burst: its restore may arrive before any of
+    # the burst's saves (the threads race), and must still find a file.
+    assert action(slots_server, 1, "save", "one.bin").status_code == 200
     calls = [("save", "one.bin"), ("erase", None), ("save", "two.bin"), ("restore", "one.bin"),
              ("save", "three.bin")] * 2
     with ThreadPoolExecutor(len(calls)) as pool:

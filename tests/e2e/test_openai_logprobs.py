@@ -8,7 +8,6 @@ import math
 import random
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -17,23 +16,14 @@ import requests
 
 from tests.support.server import Server, wait_until
 
-pytestmark = pytest.mark.slow
+# One torch thread for transformers' reference beside the servers: two would
+# stall each other whenever a server process takes one of the two cores.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Tell me a story about a dragon."}]
 # "The capital of France is" in SmolLM2's vocabulary.
 FRANCE = [504, 3575, 282, 4649, 314]
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf: Path) -> Any:
-    """SmolLM2-135M as transformers loads its GGUF, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
 
 
 def reference_rows(model: Any, ids: list[int]) -> Any:

@@ -16,11 +16,12 @@ import requests
 import torch
 
 from router.text.model_text import ModelText
-from tests.engine.conftest import smollm2_reference  # noqa: F401 (a fixture)
 from tests.support.scripted_models import ENGINE_ENV, QWEN3_SCRIPT, WEATHER_CALL, scripted_model
 from tests.support.server import Server, running_server, wait_until
 
-pytestmark = pytest.mark.slow
+# One torch thread for transformers' reference beside the servers: two would
+# stall each other whenever a server process takes one of the two cores.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MODEL = "qwen3-scripted"
 REPORT = "word " * 600  # about 4 KB as stored: three of them overfill a 0.01 MiB store
@@ -337,9 +338,13 @@ def count_store(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture(scope="module")
-def byte_store(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def byte_store(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Iterator[Server]:
+    # Nothing acts mid-stream here: the three 600-token reports run unpaced.
+    unpaced = tmp_path_factory.mktemp("responses-unpaced") / "models"
+    unpaced.mkdir()
+    scripted_model(unpaced / MODEL, tiny_qwen3_dir, {**SCRIPT, "step_seconds": 0})
     # Room for two long reports (about 4 KB each as stored) but not three.
-    yield from _serve(models, tmp_path_factory, "--response-store-max-mib", "0.01")
+    yield from _serve(unpaced, tmp_path_factory, "--response-store-max-mib", "0.01")
 
 
 def test_counting_tokens_loads_no_model(count_store: Server) -> None:
@@ -480,7 +485,7 @@ def smollm2_client(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def test_output_text_logprobs_equal_transformers(smollm2_client: openai.OpenAI, smollm2_gguf: Path,
-                                                 smollm2_reference: torch.nn.Module) -> None:  # noqa: F811
+                                                 smollm2_reference: torch.nn.Module) -> None:
     reply = smollm2_client.responses.create(model="smollm2", input=QUESTION, include=INCLUDE,
                                             top_logprobs=3, temperature=0, max_output_tokens=24)
     assert "Paris" in reply.output_text and reply.top_logprobs == 3

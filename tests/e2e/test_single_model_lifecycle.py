@@ -60,8 +60,9 @@ def test_every_route_answers_503_until_the_model_is_ready(tmp_path: Path, smollm
 
 
 def test_idle_timers_sleep_then_unload(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    # Asleep after 1 s, unloaded after 3: a 2 s window to see it sleeping.
     args = [str(tiny_qwen3_dir), "--threads", "1", "--sleep-idle-seconds", "1",
-            "--unload-idle-seconds", "6"]
+            "--unload-idle-seconds", "3"]
     with running_server(args, tmp_path / "router.log") as server:
         name = "tiny-qwen3"
         body = {"prompt": "hello", "max_tokens": 2, "temperature": 0}

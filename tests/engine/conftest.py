@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: transformers' own models of the test checkpoints."""
+"""Fixtures of the engine tests: transformers' own models of the test checkpoints
+(SmolLM2's, smollm2_reference, is session-wide in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf: Path) -> torch.nn.Module:
-    """SmolLM2-135M (real weights) as transformers loads its GGUF, float32."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

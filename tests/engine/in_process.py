@@ -3,11 +3,16 @@ by step, its events collected in a list instead of sent over a socket."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
 import protocol as p
-from engine.process.bootstrap import build_engine
+from engine.loader import LoadedModel, load_model
+from engine.process.bootstrap import assemble_engine, build_engine, resolve_dtype
 from engine.scheduling.core import EngineCore
 
 # Small steps and pages: prompts span several prefill chunks and KV pages.
@@ -19,6 +24,34 @@ def make_engine(model: Path, **options: object) -> tuple[EngineCore, list[p.Engi
     events: list[p.EngineEvent] = []
     launch = p.EngineOptions(**options)  # type: ignore[arg-type]
     core, _ = build_engine(model, launch, lambda fraction, message: None, events.append)
+    return core, events
+
+
+# CPU weights read once per test session, by (checkpoint, dtype, host expert layers).
+_SHARED_WEIGHTS: dict[tuple[Path, torch.dtype, int], LoadedModel] = {}
+
+
+def make_engine_sharing_weights(model: Path, **options: object
+                                ) -> tuple[EngineCore, list[p.EngineEvent]]:
+    """make_engine on CPU with the checkpoint read only once per session:
+    SmolLM2's GGUF takes 5-10 s to read and dequantize on the CI machine,
+    and the speculation tests build a dozen engines on it. Engines only read
+    their weights on CPU (the reference ops; no sleep here), so any number of
+    them may share the weights; the loader has its own tests."""
+    launch = p.EngineOptions(**options)  # type: ignore[arg-type]
+    assert launch.device == "cpu" and not launch.draft_model and not launch.threads, (
+        "CPU engines without a draft model or a thread count only")
+    dtype = resolve_dtype(launch)
+    key = (model.resolve(), dtype, launch.host_expert_layer_count)
+    if key not in _SHARED_WEIGHTS:
+        _SHARED_WEIGHTS[key] = load_model(model, torch.device("cpu"), dtype,
+                                          host_expert_layers=launch.host_expert_layer_count)
+    # A model object of its own (sharing the weight tensors and layers): the
+    # engine sets its ops on it, and a test may patch one engine's model.
+    shared = _SHARED_WEIGHTS[key]
+    loaded = dataclasses.replace(shared, model=copy.copy(shared.model))
+    events: list[p.EngineEvent] = []
+    core, _ = assemble_engine(loaded, model, launch, lambda fraction, message: None, events.append)
     return core, events
 
 

@@ -25,7 +25,7 @@ def test_cached_page_is_reused_only_for_the_same_tokens() -> None:
     (page,) = pool.allocate(1)
     tokens = [1, 2, 3, 4]
     page_hash = hash_page(ROOT_HASH, tokens, FP)
-    pool.register(page, page_hash, tokens)
+    pool.register(page, ROOT_HASH, page_hash, tokens)
     pool.release([page])
     assert pool.num_cached == 1 and pool.num_free == 4
     assert pool.lookup(page_hash, tokens) == page
@@ -43,7 +43,7 @@ def test_eviction_takes_free_pages_first_then_least_recently_cached() -> None:
     for i, page in enumerate(pages):
         tokens = [i, i]
         hashes.append(hash_page(ROOT_HASH, tokens, FP))
-        pool.register(page, hashes[-1], tokens)
+        pool.register(page, ROOT_HASH, hashes[-1], tokens)
     pool.release([pages[1]])
     pool.release([pages[0]])
     pool.release([pages[2]])
@@ -59,8 +59,8 @@ def test_duplicate_content_keeps_the_first_copy() -> None:
     pool = BlockPool(2, 2)
     a, b = pool.allocate(2)
     h = hash_page(ROOT_HASH, [7, 7], FP)
-    pool.register(a, h, [7, 7])
-    pool.register(b, h, [7, 7])
+    pool.register(a, ROOT_HASH, h, [7, 7])
+    pool.register(b, ROOT_HASH, h, [7, 7])
     pool.release([a, b])
     assert pool.num_cached == 1  # b went back to the free list
     pool.check_invariants()

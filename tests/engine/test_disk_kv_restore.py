@@ -238,7 +238,7 @@ def test_a_shutdown_during_reads_stops_the_readers_and_registers_only_whole_page
     host.check_invariants()
     memory = core.runner.host_kv
     assert memory is not None
-    for slot, page_hash, _ in host.resident():
+    for slot, _, page_hash, _ in host.resident():
         if page_hash in payloads:
             assert memory.slot_bytes(slot) == payloads[page_hash]
     assert set(hashes) <= {bytes.fromhex(f.name) for f in tier.directory.iterdir()}

@@ -250,7 +250,7 @@ def test_pages_resident_at_shutdown_are_written_and_a_restart_serves_them(
             break
     host = core.scheduler.kv.host
     assert host is not None and disk(core).flush(10)
-    resident = [h for _, h, _ in host.resident()]
+    resident = [h for _, _, h, _ in host.resident()]
     assert set(hashes) & set(resident)
     assert not set(resident) <= set(disk(core).cached_hashes())
     core.handle(p.Shutdown())

@@ -55,7 +55,7 @@ def make_tier(directory: Path, pages: int, slots: Slots, restore_seconds: float 
 
 def spill(tier: DiskTier, slots: Slots, n: int) -> None:
     slots.memory[0][:] = bytes([n]) * PAGE_BYTES
-    tier.spill(0, h(n), tokens(n))
+    tier.spill(0, ROOT_HASH, h(n), tokens(n))
     assert tier.flush(10)
 
 
@@ -166,11 +166,11 @@ def test_a_host_page_whose_copy_is_still_queued_is_not_offered_to_the_disk() -> 
     """Its bytes are not in the slot yet; the copy into the slot is cancelled."""
     tier = HostTier(1, page_size=PAGE, page_bytes=PAGE_BYTES)
     offered: list[bytes] = []
-    tier.on_evict = lambda slot, page_hash, toks: offered.append(page_hash)
-    tier.offload(page=0, page_hash=h(0), tokens=tokens(0))
-    tier.offload(page=1, page_hash=h(1), tokens=tokens(1))  # same step: evicts page 0
+    tier.on_evict = lambda slot, parent, page_hash, toks: offered.append(page_hash)
+    tier.offload(page=0, parent=ROOT_HASH, page_hash=h(0), tokens=tokens(0))
+    tier.offload(page=1, parent=ROOT_HASH, page_hash=h(1), tokens=tokens(1))  # same step: evicts page 0
     assert offered == [] and tier.take_transfers().stores == [(1, 0)]
-    tier.offload(page=2, page_hash=h(2), tokens=tokens(2))  # the next step
+    tier.offload(page=2, parent=ROOT_HASH, page_hash=h(2), tokens=tokens(2))  # the next step
     assert offered == [h(1)]
 
 
@@ -204,9 +204,16 @@ def test_a_waiting_request_reads_nothing_and_each_admission_counts_a_page_in_one
     kv = KVManager(pool, b"f" * 16, output_window=0, max_context=32, host=host, disk=disk)
     conversation = list(range(1, 10))  # four full pages before its last token
     _computed(kv, Sequence("first", conversation, SamplingParams(max_tokens=1)), 8)
+    # The conversation's chain went to disk before (a run before, say): a
+    # page is written only after its parent, so the disk holds it whole.
+    parent = ROOT_HASH
+    for index, page_hash in enumerate(_chain_hashes(kv, conversation[:8])):
+        disk.spill(0, parent, page_hash, tuple(conversation[index * PAGE : (index + 1) * PAGE]))
+        parent = page_hash
     # A prompt sharing the first page leaves its own page more recently used
     # than the conversation's second to fourth; evicting four pages leaves
-    # page 1 on the device, pages 2 and 3 in the host tier, page 4 on disk.
+    # page 1 on the device, pages 2 and 3 in the host tier, page 4 on disk
+    # only.
     _computed(kv, Sequence("x", [1, 2, 60, 61, 62], SamplingParams(max_tokens=1)), 4)
     host.take_transfers()
     _computed(kv, Sequence("y", list(range(70, 77)), SamplingParams(max_tokens=1)), 0)
@@ -252,22 +259,22 @@ def test_a_waiting_request_reads_nothing_and_each_admission_counts_a_page_in_one
 def test_reserved_slots_belong_to_no_page_and_held_pages_are_not_evicted() -> None:
     host = HostTier(3, page_size=PAGE, page_bytes=PAGE_BYTES)
     evicted: list[bytes] = []
-    host.on_evict = lambda slot, page_hash, toks: evicted.append(page_hash)
+    host.on_evict = lambda slot, parent, page_hash, toks: evicted.append(page_hash)
     for n in (1, 2, 3):
-        host.store(h(n), tokens(n))
+        host.store(ROOT_HASH, h(n), tokens(n))
     host.take_transfers()
     host.hold(h(1))  # the least recently used, kept for a waiting request
     reserved = host.reserve()
     assert reserved is not None and evicted == [h(2)]  # not page 1
     assert host.find(h(9), tokens(9)) is None and host.num_reserved == 1
     host.check_invariants()
-    assert host.fill(reserved, h(9), tokens(9)) == reserved
+    assert host.fill(reserved, ROOT_HASH, h(9), tokens(9)) == reserved
     assert host.find(h(9), tokens(9)) == reserved and host.num_reserved == 0
     # A page the device evicted to the tier while it was read: the read's
     # slot is freed and the page's own slot serves.
     other = host.reserve()
     assert other is not None
-    assert host.fill(other, h(9), tokens(9)) == reserved
+    assert host.fill(other, ROOT_HASH, h(9), tokens(9)) == reserved
     host.hold(h(9))
     host.hold(h(3))
     assert host.reserve() is not None  # a free slot (the one fill gave back)
@@ -317,7 +324,7 @@ def test_a_page_still_waiting_for_the_writer_is_found_and_read_from_memory(
     slots = Slots(4)
     tier = make_tier(tmp_path, 4, slots)
     slots.memory[0][:] = bytes([7]) * PAGE_BYTES
-    tier.spill(0, h(7), tokens(7))
+    tier.spill(0, ROOT_HASH, h(7), tokens(7))
     slots.memory[0][:] = bytes(PAGE_BYTES)  # the slot reused at once
     assert tier.find(h(7)) and not (tmp_path / h(7).hex()).exists()
     host = HostTier(4, page_size=PAGE, page_bytes=PAGE_BYTES)
@@ -348,7 +355,7 @@ def test_pages_are_written_in_parallel_and_flush_waits_for_every_writer(
     tier = make_tier(tmp_path, WRITER_THREADS, slots)
     for n in range(WRITER_THREADS):
         slots.memory[n][:] = bytes([n]) * PAGE_BYTES
-        tier.spill(n, h(n), tokens(n))
+        tier.spill(n, ROOT_HASH, h(n), tokens(n))
     assert first_done.wait(10)
     assert not tier.flush(0.3)  # the others are still writing
     released.set()
@@ -375,7 +382,7 @@ def test_shutdown_with_a_full_queue_writes_in_parallel_within_its_bound(
     tier = make_tier(tmp_path, pages + 1, slots)
     for n in range(pages + 1):
         slots.memory[0][:] = bytes([n]) * PAGE_BYTES
-        tier.spill(0, h(n), tokens(n))
+        tier.spill(0, ROOT_HASH, h(n), tokens(n))
     assert tier.counters.dropped_pages == 1  # the queue was full
     started = time.monotonic()
     tier.persist(HostTier(1, page_size=PAGE, page_bytes=PAGE_BYTES), seconds)

@@ -27,7 +27,8 @@ NEW_TOKENS = 20
 
 def make_engine(model: Path, **overrides: object) -> tuple[EngineCore, list[p.EngineEvent]]:
     # A small step budget and page size force chunked prefill across pages.
-    return in_process.make_engine(model, **{**SMALL_STEPS, **overrides})
+    # SmolLM2's weights are read once for every engine test that shares them.
+    return in_process.make_engine_sharing_weights(model, **{**SMALL_STEPS, **overrides})
 
 
 def run(core: EngineCore, events: list[p.EngineEvent],

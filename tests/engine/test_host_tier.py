@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv.block_hash import ROOT_HASH
 from engine.kv.block_pool import BlockPool
 from engine.kv.host_tier import HostTier
 from engine.kv.kv_manager import KVManager
@@ -23,14 +24,14 @@ def h(n: int) -> bytes:
 def test_lookups_confirm_tokens_and_a_full_tier_evicts_the_least_recently_used() -> None:
     tier = HostTier(3, page_size=2, page_bytes=100)
     for n in range(3):
-        tier.offload(page=n, page_hash=h(n), tokens=[n, n])
+        tier.offload(page=n, parent=ROOT_HASH, page_hash=h(n), tokens=[n, n])
     assert tier.find(h(1), [1, 1]) is not None
     assert tier.find(h(1), [1, 2]) is None  # same hash, other tokens: a miss
     tier.take_transfers()
     # A hit makes page 0 the most recently used; page 1 is now the oldest.
     tier.load(tier.find(h(0), [0, 0]), page=7)  # type: ignore[arg-type]
     tier.take_transfers()
-    tier.offload(page=3, page_hash=h(3), tokens=[3, 3])
+    tier.offload(page=3, parent=ROOT_HASH, page_hash=h(3), tokens=[3, 3])
     assert tier.cached_hashes() == [h(2), h(0), h(3)]
     assert tier.counters.evicted_pages == 1 and tier.counters.stored_pages == 4
     assert tier.counters.bytes_to_host == 400 and tier.counters.bytes_to_device == 100
@@ -39,11 +40,11 @@ def test_lookups_confirm_tokens_and_a_full_tier_evicts_the_least_recently_used()
 
 def test_a_hash_already_held_is_not_stored_again_but_refreshed() -> None:
     tier = HostTier(2, page_size=2, page_bytes=100)
-    tier.offload(0, h(0), [0, 0])
-    tier.offload(1, h(1), [1, 1])
+    tier.offload(0, ROOT_HASH, h(0), [0, 0])
+    tier.offload(1, ROOT_HASH, h(1), [1, 1])
     transfers = tier.take_transfers()
     assert [page for page, _ in transfers.stores] == [0, 1]
-    tier.offload(5, h(0), [0, 0])  # evicted from the device again
+    tier.offload(5, ROOT_HASH, h(0), [0, 0])  # evicted from the device again
     assert not tier.take_transfers()
     assert tier.counters.stored_pages == 2
     assert tier.cached_hashes() == [h(1), h(0)]
@@ -51,16 +52,16 @@ def test_a_hash_already_held_is_not_stored_again_but_refreshed() -> None:
 
 def test_slots_being_read_are_not_reused_until_the_copies_are_taken() -> None:
     tier = HostTier(1, page_size=2, page_bytes=100)
-    tier.offload(0, h(0), [0, 0])
+    tier.offload(0, ROOT_HASH, h(0), [0, 0])
     tier.take_transfers()
     slot = tier.find(h(0), [0, 0])
     assert slot is not None
     tier.load(slot, page=4)
-    tier.offload(1, h(1), [1, 1])  # nowhere to go this step: dropped
+    tier.offload(1, ROOT_HASH, h(1), [1, 1])  # nowhere to go this step: dropped
     transfers = tier.take_transfers()
     assert transfers.loads == [(slot, 4)] and transfers.stores == []
     assert tier.cached_hashes() == [h(0)]
-    tier.offload(1, h(1), [1, 1])  # the next step may reuse the slot
+    tier.offload(1, ROOT_HASH, h(1), [1, 1])  # the next step may reuse the slot
     assert tier.take_transfers().stores == [(1, slot)]
     assert tier.cached_hashes() == [h(1)]
 

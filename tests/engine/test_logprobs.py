@@ -50,7 +50,7 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[i
 def test_logprobs_equal_transformers_log_softmax(which: str, request: pytest.FixtureRequest) -> None:
     model_path = request.getfixturevalue("smollm2_gguf" if which == "smollm2" else "tiny_qwen3_dir")
     reference = request.getfixturevalue(f"{which}_reference")
-    core, events = in_process.make_engine(model_path, **SMALL_STEPS)
+    core, events = in_process.make_engine_sharing_weights(model_path, **SMALL_STEPS)
     cases = prompts(model_path)
     # Three asking for 0, 5 and 20 alternatives, one not asking, one sampled
     # at a high temperature with a bias (raw log probabilities all the same).

@@ -140,12 +140,10 @@ def subject(request: pytest.FixtureRequest) -> Subject:
 
     name = request.param
     if name == "smollm2":
+        # transformers reads the GGUF slowly: its model and tokenizer are shared session-wide.
         path: Path = request.getfixturevalue("smollm2_gguf")
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        prompts = _prompts(tokenizer, chat=True)
+        hf = request.getfixturevalue("smollm2_reference")
+        prompts = _prompts(request.getfixturevalue("hf_smollm2"), chat=True)
     else:
         path = request.getfixturevalue("tiny_model_factory")(name)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -82,3 +82,93 @@ def test_first_tokens_among_transformers_top5(qwen3_moe_gpu: Path) -> None:
         for rid, prompt in prompts.items():
             logits = hf(torch.tensor([prompt], device="cuda")).logits[0, -1]
             assert ours[rid][0] in logits.topk(5).indices.tolist(), rid
+
+
+# ---- routed experts in host memory (--expert-residency host, --n-cpu-moe) ----------
+
+
+def test_host_resident_experts_are_pinned_host_tensors_beside_a_device_rest(
+        qwen3_moe_gpu: Path) -> None:
+    from engine.execution.device_state import (
+        WeightStash,
+        device_tensors,
+        host_resident_tensors,
+        model_tensors,
+    )
+    from engine.loader import load_model
+
+    cuda = torch.device("cuda")
+    model = load_model(qwen3_moe_gpu, cuda, torch.bfloat16, host_expert_layers=-1).model
+    experts = host_resident_tensors(model)
+    # mlp_only_layers [0]: layers 1..3 are sparse; their routers stay on the device.
+    assert set(experts) == {f"layers.{layer}.mlp.{weight}" for layer in (1, 2, 3)
+                            for weight in ("gate_up_weight", "down_weight")}
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in experts.values())
+    assert all(t.is_cuda for t in device_tensors(model).values())
+    # The loader filled them as it fills device-resident ones.
+    reference = model_tensors(load_model(qwen3_moe_gpu, cuda, torch.bfloat16).model)
+    for name, tensor in model_tensors(model).items():
+        assert torch.equal(tensor.cpu(), reference[name].cpu()), name
+    del reference
+
+    # A sleep's stash copies the device's weights only: the experts stay put.
+    storage = {name: t.data_ptr() for name, t in experts.items()}
+    stash = WeightStash(model, pin=True)
+    assert all(t.numel() == 0 for t in device_tensors(model).values())
+    after = host_resident_tensors(model)
+    assert {name: t.data_ptr() for name, t in after.items()} == storage
+    assert all(t.is_pinned() and t.numel() for t in after.values())
+    stash.put_back(model, cuda)
+    assert all(t.is_cuda and t.numel() for t in device_tensors(model).values())
+    assert {name: t.data_ptr() for name, t in host_resident_tensors(model).items()} == storage
+
+
+@pytest.mark.parametrize("options", [{"expert_residency": "host"}, {"host_expert_layers": 2},
+                                     {"expert_residency": "host", "expert_cache_mib": 3}],
+                         ids=["all-layers", "first-2-layers", "all-layers-cached"])
+def test_host_resident_experts_give_the_tokens_of_device_resident_ones(
+        qwen3_moe_gpu: Path, options: dict[str, object]) -> None:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(qwen3_moe_gpu)(TEXT * 3)["input_ids"]
+    prompts = {f"r{i}": ids[: 20 + 17 * i] for i in range(5)}
+    # 40 tokens: some 45 forward passes a run, past the expert cache's second
+    # refresh (every 16), the first one that moves experts in.
+    params = p.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def tokens_and_memory(**extra: object) -> tuple[dict[str, list[int]], p.MemoryFacts,
+                                                    dict[str, list[int]]]:
+        from engine.process.bootstrap import build_engine
+
+        events: list[p.EngineEvent] = []
+        launch = p.EngineOptions(device="cuda", dtype="bfloat16", page_size=16,
+                                 max_concurrency=8, max_batched_tokens=64,
+                                 kv_capacity_tokens=16384, **extra)  # type: ignore[arg-type]
+        core, ready = build_engine(qwen3_moe_gpu, launch, lambda fraction, message: None,
+                                   events.append)
+        runs = []
+        for _ in range(2):  # before and after a sleep that keeps the weights in host memory
+            outputs = step_outputs(run_to_completion(core, events, {
+                rid: (prompt, params) for rid, prompt in prompts.items()}))
+            tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+            for output in outputs:
+                tokens[output.request_id].extend(output.token_ids)
+            runs.append(tokens)
+            if extra.get("expert_cache_mib"):
+                # Five of each layer's 16 experts fit 3 MiB: the GEMV read
+                # cached experts on the device and the rest over the bus (a
+                # wake makes a new cache).
+                cache = core.runner.expert_cache
+                assert cache is not None and cache.slots_per_layer == 5 and cache.swaps > 0
+            core.handle(p.Sleep(weights="host"))
+            core.handle(p.Wake())
+        return runs[0], ready.memory, runs[1]
+
+    # The run after the wake reuses the first run's prefixes (a cache hit
+    # computes the rest in other chunks, which round apart in bf16): it is
+    # compared with the device-resident run after its own wake.
+    expected, device_memory, expected_after_wake = tokens_and_memory()
+    got, memory, after_wake = tokens_and_memory(**options)
+    assert got == expected and after_wake == expected_after_wake
+    assert memory.host_weights_bytes > 0
+    assert memory.weights_bytes == device_memory.weights_bytes - memory.host_weights_bytes

@@ -31,7 +31,8 @@ def greedy(max_tokens: int = 40, **more: object) -> p.SamplingParams:
 
 
 def engine(model: Path, **options: object) -> tuple[EngineCore, list[p.EngineEvent]]:
-    return in_process.make_engine(model, **{**SMALL_STEPS, **options})
+    # Every engine here reads the same weights: each checkpoint is read once.
+    return in_process.make_engine_sharing_weights(model, **{**SMALL_STEPS, **options})
 
 
 def run(core: EngineCore, events: list[p.EngineEvent],

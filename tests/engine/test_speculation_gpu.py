@@ -61,9 +61,10 @@ class OracleDrafter:
 
 
 def tokens_of(model: Path, requests: dict[str, tuple[list[int], p.SamplingParams]],
-              drafter: Drafter | None = None, **options: object
-              ) -> tuple[dict[str, list[int]], int]:
-    """Each request's tokens, and the draft tokens accepted."""
+              drafter: Drafter | None = None, graph_rounds: list[int] | None = None,
+              **options: object) -> tuple[dict[str, list[int]], int]:
+    """Each request's tokens, and the draft tokens accepted; graph_rounds
+    gets a draft model's rounds drafted through its CUDA graphs."""
     core, events = in_process.make_engine(model, **{
         "device": "cuda", "dtype": "bfloat16", "page_size": PAGE, "max_concurrency": 4,
         "max_batched_tokens": 256, "kv_capacity_tokens": 4096, **options})
@@ -78,6 +79,8 @@ def tokens_of(model: Path, requests: dict[str, tuple[list[int], p.SamplingParams
     pool = core.scheduler.kv.pool
     assert pool.num_used == 0 and core.scheduler.kv.outstanding == 0
     accepted = core._stats.draft_accepted_tokens_total
+    if graph_rounds is not None:
+        graph_rounds.append(core.scheduler.drafter.graph_rounds)  # type: ignore[union-attr]
     _release(core)
     return found, accepted
 
@@ -108,19 +111,27 @@ def test_ngram_speculation_on_cuda_keeps_the_tokens(qwen3_bf16: Path) -> None:
     assert got == want
 
 
-def test_a_draft_model_on_cuda_keeps_the_tokens(qwen3_bf16: Path) -> None:
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_a_draft_model_on_cuda_keeps_the_tokens(qwen3_bf16: Path, cuda_graph: bool) -> None:
     """--spec draft with the target as its own draft (engine/sampling/draft_model.py):
-    our kernels run the draft's catch-up (prefill kernel) and its guesses
-    (decode kernel); the tokens are the plain run's, and nearly every guess
-    is kept (bf16: the draft's guesses run one row a call, the verify step
-    four, and past the skinny GEMM's rows a near tie may round apart)."""
+    eagerly, our kernels run the draft's catch-up (prefill kernel) and its
+    guesses (decode kernel); with graphs, a round after the first replays
+    the draft's catch-up and guess chain (engine/execution/draft_graphs.py).
+    The tokens are the plain run's, and nearly every guess is kept (bf16: the
+    draft's guesses run fewer rows a call than the verify step, and past the
+    skinny GEMM's rows a near tie may round apart)."""
     greedy = p.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     requests = {"long": (prompt(8, 300), greedy),
                 "sampled": (prompt(10, 90), p.SamplingParams(max_tokens=24, temperature=0.8,
                                                              seed=4, ignore_eos=True))}
     want, _ = tokens_of(qwen3_bf16, requests, max_batched_tokens=512)
+    rounds: list[int] = []
     got, accepted = tokens_of(qwen3_bf16, requests, spec="draft", max_batched_tokens=512,
-                              draft_model=str(qwen3_bf16), draft_tokens=3)
+                              draft_model=str(qwen3_bf16), draft_tokens=3,
+                              cuda_graph=cuda_graph, graph_rounds=rounds)
+    # About ten rounds (40 tokens, 3 drafts, nearly all kept): the first
+    # catches up on the whole prompt eagerly, the others replay the graphs.
+    assert (rounds[0] >= 5) if cuda_graph else rounds == [0]
     assert len(got.pop("sampled")) == len(want.pop("sampled"))
     assert got == want
     assert accepted > 20

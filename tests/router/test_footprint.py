@@ -64,3 +64,36 @@ def test_an_unreadable_checkpoint_says_why(tmp_path: Path) -> None:
     bad.write_bytes(b"nope")
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_shape(bad, "gguf")
+
+
+@pytest.mark.parametrize("options", [
+    EngineOptions(expert_residency="host"),
+    EngineOptions(host_expert_layers=2),
+    EngineOptions(),
+])
+def test_experts_in_host_memory_leave_the_estimate_as_they_leave_the_engine(
+        tiny_model_factory, tmp_path: Path, options: EngineOptions) -> None:
+    from tests.engine.test_moe_gguf import write_moe_gguf
+
+    hf_dir = tiny_model_factory("qwen3_moe")
+    gguf_file = write_moe_gguf(tiny_model_factory("qwen3_moe_all_sparse"),
+                               tmp_path / "moe.gguf", "qwen3_moe")
+    for model, format in ((hf_dir, "hf"), (gguf_file, "gguf")):
+        shape = read_shape(model, format)
+        estimate = estimate_footprint(shape, options, cuda=False)
+        memory = reported(model, options)
+        assert estimate.weights_bytes == memory.weights_bytes, (model.name, options)
+        host = shape.host_expert_elements(options.host_expert_layer_count) * 4
+        assert host == memory.host_weights_bytes
+        assert (host > 0) == options.host_experts
+
+
+def test_the_expert_cache_is_planned_on_the_gpu_only(tiny_model_factory) -> None:
+    shape = read_shape(tiny_model_factory("qwen3_moe"), "hf")
+    host = EngineOptions(expert_residency="host")
+    cached = EngineOptions(expert_residency="host", expert_cache_mib=512)
+    gpu, gpu_cached = (estimate_footprint(shape, o, cuda=True) for o in (host, cached))
+    assert gpu_cached.activation_bytes - gpu.activation_bytes == 512 * 2**20
+    assert gpu_cached.weights_bytes == gpu.weights_bytes
+    assert estimate_footprint(shape, cached, cuda=False) == estimate_footprint(shape, host,
+                                                                                cuda=False)

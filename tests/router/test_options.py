@@ -27,7 +27,9 @@ CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
     "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
-    "model-draft draft-tokens draft-max spec-ngram-min spec-ngram-max seed temp top-k top-p min-p model-suspend suspend-weights "
+    "model-draft spec-draft-model md draft-tokens draft-max spec-draft-n-max draft-n draft "
+    "spec-ngram-min spec-ngram-max expert-residency cpu-moe cmoe n-cpu-moe ncmoe "
+    "expert-cache-mib moe-cache-mib seed temp top-k top-p min-p model-suspend suspend-weights "
     "chat-template chat-template-file chat-template-kwargs reasoning-budget "
     "sleep-idle-seconds unload-idle-seconds load-timeout stop-timeout tags reranking rerank "
     "slot-save-path slots"
@@ -44,7 +46,7 @@ def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
     expected = {f"--{name}" for name in CLI_NAMES} | {
         "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "--no-slots",
-        "-h", "--help"}
+        "--no-cpu-moe", "--no-cmoe", "-h", "--help"}
     assert flags == expected
 
 
@@ -329,6 +331,9 @@ def test_speculation_options_reach_the_engine_off_by_default() -> None:
         "ngram", 6, 2, 4)
     # llama.cpp's name for the draft length, as a preset brought over writes it.
     assert resolve_settings([{"spec": "ngram", "draft-max": 8}]).engine.draft_tokens == 8
+    # llama.cpp's other spellings, old and new, of the draft model and its length.
+    for key in ("spec-draft-n-max", "draft-n", "draft"):
+        assert resolve_settings([{"spec": "ngram", key: 6}]).engine.draft_tokens == 6
     for argv, message in ((["--spec", "eagle"], "must be one of none, ngram"),
                           (["--draft-tokens", "0"], r"must be in 1\.\.64, got 0")):
         with pytest.raises(argparse.ArgumentError, match=message):
@@ -353,9 +358,71 @@ def test_a_draft_model_reaches_the_engine_from_the_command_line_and_a_preset(
     preset.write_text("[a]\nmodel = a.gguf\nspec = draft\nmodel-draft = draft.gguf\n")
     values = load_preset(preset).section("a").values()
     assert resolve_settings([values]).engine.draft_model == str(draft)
+    for key in ("spec-draft-model", "md"):  # llama.cpp's newer and short names
+        preset.write_text(f"[a]\nmodel = a.gguf\nspec = draft\n{key} = draft.gguf\n")
+        values = load_preset(preset).section("a").values()
+        assert resolve_settings([values]).engine.draft_model == str(draft)
     with pytest.raises(argparse.ArgumentError, match="does not exist"):
         parser().parse_args(["--draft-model", str(tmp_path / "missing.gguf")])
     with pytest.raises(ValueError, match="--spec draft and --draft-model go together"):
         resolve_settings([{"spec": "draft"}])
     with pytest.raises(ValueError, match="--spec draft and --draft-model go together"):
         resolve_settings([{"draft-model": str(draft)}])
+
+
+def test_expert_residency_options_reach_the_engine_off_by_default(tmp_path: Path) -> None:
+    from router.presets import load_preset
+
+    engine = resolve_settings([]).engine
+    assert (engine.expert_residency, engine.host_expert_layers, engine.expert_cache_mib) == (
+        "device", 0, 0)
+    assert not engine.host_experts and engine.host_expert_layer_count == 0
+    host = resolve_settings([{"expert-residency": "host", "expert-cache-mib": 2048}]).engine
+    assert (host.expert_residency, host.expert_cache_mib, host.host_expert_layer_count) == (
+        "host", 2048, -1)
+    # llama.cpp's names: --cpu-moe / -cmoe, --n-cpu-moe / -ncmoe, --moe-cache-mib.
+    for argv, expected in ((["--cpu-moe"], ("host", 0, 0)), (["--cmoe"], ("host", 0, 0)),
+                           (["--no-cpu-moe"], ("device", 0, 0)),
+                           (["--n-cpu-moe", "10"], ("device", 10, 0)),
+                           (["--ncmoe", "3", "--moe-cache-mib", "512"], ("device", 3, 512))):
+        got = resolve_settings([given_options(parser().parse_args(argv))]).engine
+        assert (got.expert_residency, got.host_expert_layers, got.expert_cache_mib) == expected
+    assert given_options(parser().parse_args(["--cmoe"])) == {"cmoe": "host"}
+    assert resolve_settings([{"n-cpu-moe": 10}]).engine.host_expert_layer_count == 10
+    preset = tmp_path / "models.ini"
+    preset.write_text("[*]\ncpu-moe = true\n[a]\nmodel = a.gguf\n"
+                      "[b]\nmodel = b.gguf\ncpu-moe = false\nncmoe = 4\n")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    loaded = load_preset(preset)
+    assert not loaded.ignored  # no longer llama.cpp keys we ignore
+    a, b = (resolve_settings([loaded.global_options, section.values()]).engine
+            for section in loaded.sections)
+    assert (a.expert_residency, a.host_expert_layers) == ("host", 0)
+    assert (b.expert_residency, b.host_expert_layers) == ("device", 4)
+    # The command line's alias beats a preset section's other name for the field.
+    top = resolve_settings([{"cmoe": "host"}, {"cpu-moe": "device"}, {"cmoe": "host"}])
+    assert top.engine.expert_residency == "host"
+    assert "--expert-residency {device,host}" in parser().format_help()
+    with pytest.raises(argparse.ArgumentError, match="must be one of device, host"):
+        parser().parse_args(["--expert-residency", "disk"])
+    with pytest.raises(argparse.ArgumentError, match="must be >= 0, got -1"):
+        parser().parse_args(["--n-cpu-moe", "-1"])
+
+
+@pytest.mark.parametrize(("layers", "message"), [
+    ([{"cpu-moe": "host", "n-cpu-moe": 4}],
+     r"--expert-residency host \(--cpu-moe\) keeps every layer's experts on the host, "
+     r"--n-cpu-moe 4 only the first 4 layers': give one of them"),
+    # A model section's n-cpu-moe under a [*] cpu-moe: the section must turn it off.
+    ([{"cpu-moe": "host"}, {"ncmoe": 4}], "give one of them"),
+    ([{"expert-cache-mib": 1024}],
+     "--expert-cache-mib 1024 caches host-resident experts on the device: it needs "
+     r"--expert-residency host \(--cpu-moe\) or --n-cpu-moe N"),
+])
+def test_contradicting_or_idle_expert_options_are_refused(layers: list[dict],
+                                                         message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(layers)
+    with pytest.raises(ValueError, match="expert residency must be one of device, host"):
+        EngineOptions(expert_residency="disk")

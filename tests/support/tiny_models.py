@@ -52,6 +52,12 @@ def _config(arch: str):
             tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3],
             norm_topk_prob=True)
+    if arch == "qwen3_moe_all_sparse":
+        # Experts in every layer, as llama.cpp's qwen3moe GGUFs have them.
+        return transformers.Qwen3MoeConfig(
+            **{**_SMALL, "num_hidden_layers": 3}, head_dim=16, rope_theta=1_000_000.0,
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True)
     if arch == "mixtral":
         # Experts of intermediate_size in every layer, top-2 of 4.
         return transformers.MixtralConfig(
@@ -62,7 +68,7 @@ def _config(arch: str):
 
 def build_tiny_model(arch: str, target: Path, seed: int = 0) -> Path:
     """Write a random-weight model of `arch` ("qwen3", "qwen2", "llama", "qwen3_moe",
-    "mixtral") into target."""
+    "qwen3_moe_all_sparse", "mixtral") into target."""
     import torch
     import transformers
 

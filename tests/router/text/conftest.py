@@ -1,4 +1,5 @@
-"""Reference tokenizers (transformers') and synthetic GGUF files for the router.text tests (built once per session)."""
+"""Reference tokenizers (transformers') and synthetic GGUF files for the router.text tests (built once per session;
+hf_smollm2 is in tests/conftest.py, shared with the engine tests)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="session")
