@@ -63,7 +63,7 @@ from typing import Protocol
 from engine.kv.block_hash import ROOT_HASH, parents_first
 from engine.kv.disk_pages import PageRead, file_bytes, page_header
 from engine.kv.disk_reader import DiskReader
-from engine.kv.host_tier import HostTier
+from engine.kv.host_tier import HostTier, copy_counters
 from protocol import EngineStats
 
 log = logging.getLogger(__name__)
@@ -434,19 +434,7 @@ class DiskTier:
                         "tokens are computed instead", path.name)
 
     def report(self, stats: EngineStats) -> None:
-        counters = self.counters
         stats.disk_kv_capacity_bytes = self.budget_bytes
         stats.disk_kv_bytes_cached = self._bytes
         stats.disk_kv_pages_cached = len(self._index)
-        stats.disk_kv_hit_pages_total = counters.hit_pages
-        stats.disk_kv_hit_tokens_total = counters.hit_tokens
-        stats.disk_kv_misses_total = counters.misses
-        stats.disk_kv_written_pages_total = counters.written_pages
-        stats.disk_kv_evicted_pages_total = counters.evicted_pages
-        stats.disk_kv_bytes_read_total = counters.bytes_read
-        stats.disk_kv_bytes_written_total = counters.bytes_written
-        stats.disk_kv_corrupt_pages_total = counters.corrupt_pages
-        stats.disk_kv_dropped_pages_total = counters.dropped_pages
-        stats.disk_kv_orphan_pages_total = counters.orphan_pages
-        stats.disk_kv_deadline_hits_total = counters.deadline_hits
-        stats.disk_kv_restore_seconds_total = counters.restore_seconds
+        copy_counters(self.counters, stats, "disk_kv")
