@@ -7,7 +7,7 @@ seq_lens[b] tokens in its KV cache; its new tokens sit at positions
 seq_lens[b] - q_len_b ... seq_lens[b] - 1 and attend causally to everything
 before them. K/V of the new tokens are written to the flat cache slots in
 slot_mapping (page * page_size + offset) before attention reads the pages
-listed in block_tables.
+listed in block_tables. Hybrid models add each sequence's state slot.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ class AttentionMetadata:
     # Host copies, so CPU reference ops can loop without device syncs.
     query_start_loc_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Hybrid models' linear-attention layers (Qwen3-Next, Qwen3.5): sequence b's
+    # conv and recurrent state live in slot state_slots[b] of each layer's
+    # pools; state_fresh[b] says it starts from zero state (its first chunk).
+    state_slots: torch.Tensor | None = None  # int64 [B]
+    state_fresh: torch.Tensor | None = None  # bool [B]
 
     @property
     def num_seqs(self) -> int:

@@ -3,26 +3,34 @@
 A file is a fixed header, the page's tokens (uint32 each) and the payload:
 one host tier slot, every layer's K and V (engine/execution/host_kv.py). The
 header names the KV format and the page hash it was written for and carries a
-blake2b checksum of tokens and payload, so a file cut short by a crash, a
-flipped bit, or one copied from another model's or format's directory is
-recognised and read as a miss, never as K/V of other tokens.
+CRC-32 of tokens and payload, so a file cut short by a crash, a flipped bit,
+or one copied from another model's or format's directory is recognised and
+read as a miss, never as K/V of other tokens.
+
+Why CRC-32 and not a cryptographic digest: the checksum guards against
+accidents (torn writes, bad sectors), not an adversary with write access to
+the directory, and the header's format digest, page hash and the token
+comparison catch a foreign file first. CRC-32 catches every error burst up
+to 32 bits and misses random damage with probability 2^-32; it runs at
+4-5 GB/s a core (zlib, releasing the GIL) where BLAKE2b ran at 0.5-0.9 GB/s
+and bound the tier's writers and readers (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import struct
+import zlib
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
 MAGIC = b"RHKVPAGE"
-VERSION = 1
+# 2: CRC-32 in place of version 1's BLAKE2b (version 1 files read as corrupt).
+VERSION = 2
 # magic, version, reserved, KV format digest, page hash, token count,
-# payload length, checksum of tokens + payload.
-_HEADER = struct.Struct("<8sHH16s16sIQ32s")
-CHECKSUM_BYTES = 32
+# payload length, CRC-32 of tokens + payload.
+_HEADER = struct.Struct("<8sHH16s16sIQI")
 
 
 class PageRead(enum.Enum):
@@ -31,11 +39,8 @@ class PageRead(enum.Enum):
     CORRUPT = "corrupt"  # torn, truncated, altered, foreign: never to be read again
 
 
-def _checksum(token_bytes: bytes, payload: memoryview | bytes) -> bytes:
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    digest.update(token_bytes)
-    digest.update(payload)
-    return digest.digest()
+def _checksum(token_bytes: bytes, payload: memoryview | bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(token_bytes))
 
 
 def page_header(format_digest: bytes, page_hash: bytes, tokens: Sequence[int],

@@ -75,10 +75,10 @@ SHUTDOWN_WRITE_SECONDS = 5.0
 # Page bytes waiting for the writer thread at most; a page evicted beyond
 # that (the disk slower than the evictions) is dropped, and counted.
 WRITE_QUEUE_BYTES = 256 * 2**20
-# Writer threads sharing the queue. One thread is bound by the page checksum
-# (blake2b: ~430 MB/s on a slow server core, below a 1.5 GB/s disk, and the
-# host tier evicts ~2 GB/s under load); hashlib and file writes release the
-# GIL on large buffers, so four run in parallel.
+# Writer threads sharing the queue. One thread was bound by the page
+# checksum when it was BLAKE2b (~430 MB/s on a slow server core, below a
+# 1.5 GB/s disk, and the host tier evicts ~2 GB/s under load); CRC-32 and
+# file writes release the GIL on large buffers, so four run in parallel.
 WRITER_THREADS = 4
 # The interpreter's switch interval while a disk tier runs. A thread that
 # wants the GIL back after a hash or a write waits until the busy engine loop

@@ -33,6 +33,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Qwen2-MoE's shared expert and its sigmoid gate.
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Mixture-of-experts tensors: the router, and each expert matrix either stacked
 # over the experts ([E, rows, cols]) or, in old Mixtral files, one per expert.
@@ -76,6 +81,9 @@ class GGUFCheckpoint:
                 continue
             name = hf_name(tensor.name, self._expert_names)
             array = _to_numpy(tensor)
+            if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
+                # The converter squeezes HF's [1, H] gate to a vector.
+                array = array[None]
             if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = unpermute_rows(array, self.config.num_heads)
             elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

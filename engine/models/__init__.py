@@ -9,13 +9,14 @@ from engine.models.decoder import CausalLM, experts_on_host
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.__name__: cls
     for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
-                Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 }
 # (general.architecture, whether the file has experts) -> HF architecture name.
 _GGUF_ARCHITECTURES: dict[tuple[str, bool], str] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,9 @@ class MoEConfig:
     # Mixtral keeps the routing weights in float32 and weighs expert outputs in
     # float32; Qwen3-MoE casts the weights to the model dtype first.
     weigh_in_float32: bool = False
+    # Qwen3-Next: one always-on SwiGLU expert of this size beside the routed
+    # ones, its output scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -43,6 +47,48 @@ class MoEConfig:
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5):
+    a causal depthwise conv over q|k|v, then a recurrent state per value head
+    (kernels/gated_delta_reference.py)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"{self.num_value_heads} linear-attention value heads are not a "
+                             f"multiple of {self.num_key_heads} key heads")
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the conv (and of its state): q, k and v."""
+        return 2 * self.key_size + self.value_size
+
+    def conv_state_shape(self, num_slots: int) -> tuple[int, int, int]:
+        return (num_slots, self.conv_channels, self.conv_kernel_size - 1)
+
+    def state_shape(self, num_slots: int) -> tuple[int, int, int, int]:
+        return (num_slots, self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+
+# ModelConfig.layer_types entries.
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -70,6 +116,12 @@ class ModelConfig:
     o_proj_bias: bool = False
     # None for dense models.
     moe: MoEConfig | None = None
+    # Hybrid models (Qwen3-Next, Qwen3.5): each layer's token mixer, FULL_ATTENTION
+    # or LINEAR_ATTENTION; () means full attention everywhere.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    # RoPE rotates the first rotary_dim = head_dim * factor dims of each head.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +130,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives "
+                             f"{self.rotary_dim} rotary dims of {self.head_dim}; need an even "
+                             "count > 0")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"{len(self.layer_types)} layer types for "
+                                 f"{self.num_layers} layers")
+            unknown = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+            if unknown:
+                raise ValueError(f"layer types {sorted(unknown)} are not supported")
+            if LINEAR_ATTENTION in self.layer_types and self.linear_attention is None:
+                raise ValueError("linear-attention layers need the linear_* dims")
         if self.moe is not None and any(
             not 0 <= layer < self.num_layers for layer in self.moe.sparse_layers
         ):
@@ -100,6 +165,13 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -118,17 +190,21 @@ class ModelConfig:
     # -- readers --------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+    def from_hf_config(cls, cfg: dict[str, Any],
+                       model_cls: type[CausalLM] | None = None) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4 or 5 layout).
+        model_cls: the class to read it for; by default the served class that
+        the config's architectures entry names."""
         try:
-            return cls._from_hf_config(cfg)
+            return cls._from_hf_config(cfg, model_cls)
         except KeyError as exc:
             raise ValueError(
                 f"config.json lacks {exc.args[0]!r}; the model config is incomplete"
             ) from None
 
     @classmethod
-    def _from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def _from_hf_config(cls, cfg: dict[str, Any],
+                        model_cls: type[CausalLM] | None) -> ModelConfig:
         # Imported here: the registry imports the model classes, which import this module.
         from engine.models import model_class
 
@@ -138,11 +214,15 @@ class ModelConfig:
                 "config.json has no 'architectures' entry; it does not name the model class"
             )
         architecture = architectures[0]
-        cls_of_model = model_class(architecture)
+        cls_of_model = model_cls or model_class(architecture)
         traits = cls_of_model.hf_traits(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         theta, scaling = _hf_rope(cfg)
+        hybrid = cls_of_model.hf_hybrid(cfg)
+        if hf_partial_rotary_factor(cfg) != 1.0 and "partial_rotary_factor" not in hybrid:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not "
+                             "supported")
         return cls(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -161,6 +241,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             o_proj_bias=traits.o_proj_bias,
             moe=cls_of_model.hf_moe(cfg),
+            **hybrid,
         )
 
     @classmethod
@@ -226,8 +307,11 @@ def _gguf_moe(meta: _GGUFFields, model_cls: type[CausalLM], num_experts: int,
         weights_norm=None if weights_norm is None else bool(weights_norm),
         num_layers=num_layers,
     )
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    if shared:  # qwen2moe: one always-on expert beside the routed ones
+        moe = dataclasses.replace(moe, shared_expert_intermediate_size=shared)
     for layer in moe.sparse_layers:
-        missing = _missing_expert_tensors(meta, layer, num_experts)
+        missing = _missing_expert_tensors(meta, layer, num_experts, shared > 0)
         if missing:
             raise ValueError(
                 f"GGUF layer {layer} lacks its experts ({', '.join(missing)}); a {arch} "
@@ -236,11 +320,16 @@ def _gguf_moe(meta: _GGUFFields, model_cls: type[CausalLM], num_experts: int,
     return moe
 
 
-def _missing_expert_tensors(meta: _GGUFFields, layer: int, num_experts: int) -> list[str]:
+def _missing_expert_tensors(meta: _GGUFFields, layer: int, num_experts: int,
+                            shared_expert: bool = False) -> list[str]:
     """The router, and each matrix stacked (ffn_gate_exps) or, in old Mixtral
-    files, one per expert (ffn_gate.E); the stacked name stands for both."""
+    files, one per expert (ffn_gate.E); the stacked name stands for both.
+    shared_expert: also the shared expert's matrices and gate (ffn_*_shexp)."""
     router = f"blk.{layer}.ffn_gate_inp.weight"
     missing = [] if meta.has_tensor(router) else [router]
+    if shared_expert:
+        missing += [name for kind in ("gate_inp", "gate", "up", "down")
+                    if not meta.has_tensor(name := f"blk.{layer}.ffn_{kind}_shexp.weight")]
     for matrix in ("gate", "up", "down"):
         stacked = f"blk.{layer}.ffn_{matrix}_exps.weight"
         per_expert = all(meta.has_tensor(f"blk.{layer}.ffn_{matrix}.{expert}.weight")
@@ -256,8 +345,6 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     if cfg.get("rope_scaling"):
         params = {**params, **cfg["rope_scaling"]}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -266,6 +353,13 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     }
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def hf_partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:
+    """The share of each head's dims that RoPE rotates (transformers 5 keeps
+    it in rope_parameters, released checkpoints at the top level)."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
 
 
 def _hf_context_length(cfg: dict[str, Any]) -> int:

@@ -147,8 +147,10 @@ class DecoderLayer(nn.Module):
     def weight_destinations(self, prefix: str, stacked_experts: bool = False
                             ) -> dict[str, torch.Tensor]:
         mlp_prefix = f"{prefix}.{self.mlp.checkpoint_name}"
-        if stacked_experts and isinstance(self.mlp, SparseMoE):
-            mlp = self.mlp.stacked_weight_destinations(mlp_prefix)
+        # SparseMoE, and SharedExpertMoE around one (Qwen2-MoE), can take stacks.
+        stacked = getattr(self.mlp, "stacked_weight_destinations", None)
+        if stacked_experts and stacked is not None:
+            mlp = stacked(mlp_prefix)
         else:
             mlp = self.mlp.weight_destinations(mlp_prefix)
         return {
@@ -191,6 +193,12 @@ class CausalLM(nn.Module):
     def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
         """The mixture-of-experts facts of config.json; None for a dense model."""
         return None
+
+    @classmethod
+    def hf_hybrid(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields of a hybrid model's config.json (layer types,
+        linear-attention dims, partial rotary, attention output gate); none here."""
+        return {}
 
     @classmethod
     def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,

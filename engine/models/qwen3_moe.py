@@ -15,6 +15,15 @@ from engine.models.config import MoEConfig
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
+def hf_sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The layers that transformers' Qwen2-/Qwen3-MoE make sparse: those not in
+    mlp_only_layers whose (layer + 1) is a multiple of decoder_sparse_step."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    return tuple(layer for layer in range(int(cfg["num_hidden_layers"]))
+                 if layer not in dense_only and (layer + 1) % step == 0)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     gguf_architecture = "qwen3moe"
     gguf_has_experts = True
@@ -33,16 +42,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
         if num_experts == 0:
             return None
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense_only = set(cfg.get("mlp_only_layers") or ())
-        layers = int(cfg["num_hidden_layers"])
         return MoEConfig(
             num_experts=num_experts,
             experts_per_token=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg["moe_intermediate_size"]),
             normalize_topk=bool(cfg.get("norm_topk_prob", False)),
-            sparse_layers=tuple(layer for layer in range(layers)
-                                if layer not in dense_only and (layer + 1) % step == 0),
+            sparse_layers=hf_sparse_layers(cfg),
         )
 
     @classmethod

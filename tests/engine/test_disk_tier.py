@@ -95,6 +95,16 @@ def test_a_page_file_reads_back_only_as_written(tmp_path: Path) -> None:
     assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT  # too long
     path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 0x80]))
     assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT  # a flipped bit
+    # A flipped bit anywhere in the payload, and a whole zeroed stretch (a torn write).
+    for at in (len(whole) - PAGE_BYTES, len(whole) - PAGE_BYTES // 2):
+        path.write_bytes(whole[:at] + bytes([whole[at] ^ 0x01]) + whole[at + 1:])
+        assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT
+    torn = len(whole) - PAGE_BYTES // 3
+    path.write_bytes(whole[:torn] + bytes(PAGE_BYTES // 3))
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT
+    # A file of the first format version (BLAKE2b checksums) is not read.
+    path.write_bytes(whole[:8] + (1).to_bytes(2, "little") + whole[10:])
+    assert read_page(path, FORMAT, h(1), [5, 6], into) is PageRead.CORRUPT
 
 
 def test_the_budget_evicts_the_least_recently_used_file(tmp_path: Path) -> None:
