@@ -121,10 +121,12 @@ class DraftGraphs:
     def count(self) -> int:
         return self.catch_up.count + len(self._graphs)
 
-    def handles(self, catch_up_tokens: int, rows: int, pages: int) -> bool:
-        """Whether a round of these sizes (pages: the longest page table) fits the graphs."""
+    def handles(self, catch_up_tokens: int, rows: int, pages: int, span: int) -> bool:
+        """Whether a round of these sizes fits the graphs (pages: the longest
+        page table; span: the furthest position + 1 a guess reaches)."""
         return (self.captured and catch_up_tokens <= self.catch_up.max_batch
-                and rows <= self.max_rows and pages <= self.tables.shape[1])
+                and rows <= self.max_rows and pages <= self.tables.shape[1]
+                and span <= self.buckets[-1])
 
     @torch.inference_mode()
     def draft(self, catch_up: StepInputs, last_rows: list[int], starts: list[int],

@@ -70,6 +70,10 @@ class ExpertCache:
         modules = [m for m in model.modules() if isinstance(m, SparseMoE) and m.host_resident]
         self.layers: list[LayerCache] = []
         self.slots_per_layer = 0
+        self.expert_bytes = 0
+        self.swaps = 0  # experts copied in so far
+        self._steps = 0
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         if not modules:
             return
         first = modules[0]
@@ -92,9 +96,6 @@ class ExpertCache:
             module.expert_cache = layer
             self.layers.append(layer)
         self.expert_bytes = expert_bytes
-        self._steps = 0
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self.swaps = 0  # experts copied in so far
 
     @property
     def nbytes(self) -> int:

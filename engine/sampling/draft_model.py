@@ -183,7 +183,8 @@ class DraftModelDrafter:
             return drafts
         catch_up = sum(len(segment.token_ids) for segment in segments)
         pages = max(len(cache.pages) for _, cache, _ in active)
-        if (self.graphs is not None and self.graphs.handles(catch_up, len(active), pages)
+        span = max(len(row.token_ids) + row.max_tokens for _, _, row in active)
+        if (self.graphs is not None and self.graphs.handles(catch_up, len(active), pages, span)
                 and all(row.max_tokens <= self.graphs.max_tokens for _, _, row in active)):
             return self._draft_from_graphs(drafts, active, segments)
         guesses = self._catch_up(segments)

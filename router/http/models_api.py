@@ -20,15 +20,13 @@ import msgspec
 from aiohttp import web
 
 from router.capabilities import model_capabilities
+from router.env import sse_keepalive_seconds
 from router.errors import NotFound
 from router.http.errors import ApiError, decode_body
 from router.http.keys import MANAGER, STARTED
 from router.lifecycle import ModelManager, ModelSlot
 from router.lifecycle.reload import reload_catalog
 from router.supervisor import engine_args
-
-# Seconds between keep-alive comments on an idle event stream.
-KEEPALIVE_SECONDS = 5.0
 
 
 class ModelRequest(msgspec.Struct):
@@ -213,7 +211,8 @@ async def model_events(request: web.Request) -> web.StreamResponse:
         await response.write(b": connected\n\n")
         while True:
             try:
-                event = await subscription.next(KEEPALIVE_SECONDS)
+                # Keep-alive comments after this long idle, as every stream has them.
+                event = await subscription.next(sse_keepalive_seconds())
             except EOFError:
                 break
             if event is None:

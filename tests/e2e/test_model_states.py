@@ -29,7 +29,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iter
     directory = tiny_models_dir(tmp_path_factory.mktemp("states") / "models", tiny_model_factory)
     args = ["--models-dir", str(directory), "--models-max", "2", "--model-suspend",
             "--suspend-weights", "host", "--threads", "1"]
-    with running_server(args, tmp_path_factory.mktemp("states-log") / "router.log") as running:
+    # Keep-alives after 1 s of quiet, not 5: the test of them waits less.
+    env = {"ROUNDHOUSE_SSE_KEEPALIVE": "1"}
+    with running_server(args, tmp_path_factory.mktemp("states-log") / "router.log",
+                        env=env) as running:
         yield running
 
 
@@ -155,8 +158,9 @@ def test_many_watchers_get_the_same_events_and_keepalives(server: Server) -> Non
             watcher.wait_for(lambda w=watcher: w.statuses("qwen2-tiny") == ["loading", "loaded"],
                              what="loading, loaded")
         assert watchers[0].events == watchers[1].events == watchers[2].events
-        # Quiet streams carry keep-alive comments (every 5 s).
-        watchers[0].wait_for(lambda: "keep-alive" in watchers[0].comments, timeout=8, what="a keep-alive")
+        # Quiet streams carry keep-alive comments (ROUNDHOUSE_SSE_KEEPALIVE: 1 s here).
+        watchers[0].wait_for(lambda: "keep-alive" in watchers[0].comments, timeout=4,
+                             what="a keep-alive")
     finally:
         for watcher in watchers:
             watcher.close()
