@@ -1,10 +1,11 @@
 """A mixture-of-experts model through the GPU path (bf16, CudaOps, CUDA graphs).
 
-No expert kernels exist yet: the experts run through torch on the device, the
-per-expert loop when eager and the dense, zero-weighted form inside graph
-captures (engine/execution/model_ops.py). These tests check that path works:
-graphs on give the tokens of graphs off, and the first tokens are among
-transformers' best.
+Routing runs our kernel and the experts the expert GEMV (decode-sized steps)
+or the grouped GEMM (larger ones), inside the CUDA graphs
+(engine/execution/model_ops.py). These tests check that path: graphs on give
+the tokens of graphs off, the first tokens are among transformers' best, and
+host-resident experts (with and without the device expert cache) give the
+tokens of device-resident ones.
 """
 
 from __future__ import annotations
