@@ -20,7 +20,7 @@ import torch
 from engine.models.config import ModelConfig, MoEConfig
 from engine.models.decoder import MLP, AttentionTraits, experts_on_host
 from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.qwen3_moe import hf_sparse_layers
+from engine.models.qwen3_moe import hf_qwen_moe
 from engine.models.shared_expert_moe import SharedExpertMoE
 
 
@@ -35,20 +35,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     @classmethod
     def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"experts with activation {cfg['hidden_act']!r} are not supported "
-                             "(only silu)")
-        num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
-        if num_experts == 0:
-            return None
-        return MoEConfig(
-            num_experts=num_experts,
-            experts_per_token=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            normalize_topk=bool(cfg.get("norm_topk_prob", False)),
-            sparse_layers=hf_sparse_layers(cfg),
-            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-        )
+        return hf_qwen_moe(cfg, int(cfg["shared_expert_intermediate_size"]))
 
     @classmethod
     def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,

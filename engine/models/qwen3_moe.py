@@ -15,6 +15,26 @@ from engine.models.config import MoEConfig
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
+def hf_qwen_moe(cfg: dict[str, Any], shared_expert_size: int = 0) -> MoEConfig | None:
+    """The MoE facts of a Qwen2-/Qwen3-MoE config.json (None: no experts),
+    with a shared expert of shared_expert_size (0: none)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"experts with activation {cfg['hidden_act']!r} are not supported "
+                         "(only silu)")
+    # transformers 5 writes num_local_experts; released checkpoints say num_experts.
+    num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+    if num_experts == 0:
+        return None
+    return MoEConfig(
+        num_experts=num_experts,
+        experts_per_token=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        normalize_topk=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=hf_sparse_layers(cfg),
+        shared_expert_intermediate_size=shared_expert_size,
+    )
+
+
 def hf_sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """The layers that transformers' Qwen2-/Qwen3-MoE make sparse: those not in
     mlp_only_layers whose (layer + 1) is a multiple of decoder_sparse_step."""
@@ -35,20 +55,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 "Qwen3-MoE checkpoints with shared experts (shared_expert_intermediate_size) "
                 "are not supported"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"experts with activation {cfg['hidden_act']!r} are not supported "
-                             "(only silu)")
-        # transformers 5 writes num_local_experts; released checkpoints say num_experts.
-        num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
-        if num_experts == 0:
-            return None
-        return MoEConfig(
-            num_experts=num_experts,
-            experts_per_token=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            normalize_topk=bool(cfg.get("norm_topk_prob", False)),
-            sparse_layers=hf_sparse_layers(cfg),
-        )
+        return hf_qwen_moe(cfg)
 
     @classmethod
     def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,

@@ -84,7 +84,7 @@ def write_moe_gguf(hf_dir: Path, target: Path, which: str,
 
     with safe_open(hf_dir / "model.safetensors", framework="np") as handle:
         experts: dict[tuple[int, str], list[np.ndarray]] = {}
-        for name in sorted(handle.keys(), key=_natural):
+        for name in sorted(handle.keys(), key=natural_order):
             array = handle.get_tensor(name)
             parts = name.split(".")
             if ".experts." in name:
@@ -112,7 +112,7 @@ def write_moe_gguf(hf_dir: Path, target: Path, which: str,
     return target
 
 
-def _natural(name: str) -> list[object]:
+def natural_order(name: str) -> list[object]:
     # Experts in numeric order (10 after 9), so stacks come out 0..E-1.
     return [int(part) if part.isdigit() else part for part in name.split(".")]
 

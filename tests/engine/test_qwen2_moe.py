@@ -31,6 +31,7 @@ from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 from tests.engine.test_engine_exactness import greedy, hf_greedy, make_engine, prompts, run
 from tests.engine.test_loaders import add_metadata, assert_same_weights, gguf_name, prefill_logits
+from tests.engine.test_moe_gguf import natural_order
 from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
 from tests.support.tiny_models import _SMALL
 
@@ -76,7 +77,7 @@ def write_qwen2moe_gguf(hf_dir: Path, target: Path, squeeze_gate: bool = True,
                       cfg["shared_expert_intermediate_size"])
     experts: dict[tuple[str, str], list[np.ndarray]] = {}
     with safe_open(hf_dir / "model.safetensors", framework="np") as handle:
-        for name in sorted(handle.keys(), key=_natural):
+        for name in sorted(handle.keys(), key=natural_order):
             array, parts = handle.get_tensor(name), name.split(".")
             module = ".".join(parts[4:-1])  # under model.layers.N.mlp
             if ".experts." in name:
@@ -100,10 +101,6 @@ def write_qwen2moe_gguf(hf_dir: Path, target: Path, squeeze_gate: bool = True,
     writer.write_tensors_to_file()
     writer.close()
     return target
-
-
-def _natural(name: str) -> list[object]:
-    return [int(part) if part.isdigit() else part for part in name.split(".")]
 
 
 @pytest.fixture(scope="module")
