@@ -29,6 +29,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     kernel = load_kernel("activation.cu", "silu_and_mul_bf16", x.device.index or 0)
     blocks = -(-intermediate // (_VECTOR * _THREADS))
-    launch(kernel, (blocks, tokens), (_THREADS,), (ptr(out), ptr(x), np.int32(intermediate)),
+    launch(kernel, (tokens, blocks), (_THREADS,), (ptr(out), ptr(x), np.int32(intermediate)),
            x.device)
     return out

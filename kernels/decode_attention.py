@@ -4,6 +4,8 @@ Reference: kernels.reference.paged_attention with q_len = 1 for every row.
 The kernel source (kernels/csrc/decode_attention.cu) explains the tiling; in
 short, a CTA of 4 warps owns one (batch row, kv head, split) and reads each of
 its K/V rows once for all the query heads of the GQA group, on tensor cores.
+At head dim 256 a CTA holds at most 8 query heads, so a group of 9-16 takes
+two CTAs per (row, kv head, split), each reading the split's K/V.
 
 Split-K: the context is cut into chunks of 64 tokens dealt round-robin to
 `num_splits` CTAs per (row, kv head). The split count is a function of the
@@ -35,15 +37,19 @@ _CHUNK_TOKENS = 64  # kChunkTokens in the .cu: tokens one CTA covers per step
 # when the GPU would otherwise sit idle.
 _MIN_SPLIT_TOKENS = 256
 # CTAs of the D = 128, group <= 8 kernel resident on one multiprocessor (154
-# registers a thread: 3 x 128 x 154 of the 64 K registers).
+# registers a thread: 3 x 128 x 154 of the 64 K registers). D = 256 takes 255
+# registers (2 CTAs); the split rule keeps 3 for every head dim (a tuning
+# number, not a limit).
 _RESIDENT_CTAS_PER_SM = 3
 # CTAs to aim for, in waves of the GPU: enough that the last, partial wave of
 # equal-length rows costs little. Tunable.
 _TARGET_WAVES = 8
 _TARGET_CTAS_PER_SM = _RESIDENT_CTAS_PER_SM * _TARGET_WAVES
 _MAX_GRID_YZ = 65535
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 _MAX_GROUP = 16
+# Query heads one D = 256 CTA holds (a larger group takes two CTAs a split).
+_D256_HEADS_PER_CTA = 8
 _LOG2E = math.log2(math.e)
 
 
@@ -143,7 +149,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
-    q: bf16 [B, Hq, D], D in (64, 128); k_cache, v_cache: bf16 [P, S, Hkv, D]
+    q: bf16 [B, Hq, D], D in (64, 128, 256); k_cache, v_cache: bf16 [P, S, Hkv, D]
     with S a power of two and Hq = group * Hkv, group <= 16 (query head h
     reads kv head h // group); block_tables: int32 [>= B, max_pages] (token t
     of row b is in page block_tables[b, t // S], slot t % S); seq_lens: int32
@@ -218,7 +224,11 @@ def paged_decode_attention(
         return out
 
     index = _device_index(device)
-    splits = _num_splits(batch, num_kv_heads, max_seq_len, _sm_count(index))
+    # CTAs sharing one (row, kv head, split): the kernel name's group tile and
+    # decode_split's HT in the .cu.
+    head_tiles = 2 if head_dim == 256 and group > _D256_HEADS_PER_CTA else 1
+    # Counted as kv heads: the split rule aims at a number of CTAs.
+    splits = _num_splits(batch, num_kv_heads * head_tiles, max_seq_len, _sm_count(index))
     if batch * num_heads * splits > workspace.capacity:
         # Cannot happen for a workspace made by decode_workspace on this device.
         raise ValueError(
@@ -229,7 +239,7 @@ def paged_decode_attention(
     kernel = load_kernel(_SOURCE, name, index)
     launch(
         kernel,
-        (splits, num_kv_heads, batch),
+        (splits * head_tiles, num_kv_heads, batch),
         (_THREADS,),
         (
             ptr(out), ptr(workspace.partial_out), ptr(workspace.partial_stats), ptr(q),
@@ -245,7 +255,7 @@ def paged_decode_attention(
         launch(
             reduce,
             (num_heads, batch),
-            (head_dim,),
+            (min(head_dim, _THREADS),),  # the .cu's launch bound; threads stride over D
             (
                 ptr(out), ptr(workspace.partial_out), ptr(workspace.partial_stats),
                 ptr(seq_lens), np.int32(num_heads), np.int32(head_dim), np.int32(splits),

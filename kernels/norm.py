@@ -5,6 +5,10 @@ References: kernels.reference.rms_norm and add_rms_norm. Same rounding steps
 product); only the order of the variance sum differs, so an element can
 rarely differ from the reference by one bf16 ulp.
 
+zero_centred=True is Qwen3-Next's and Qwen3.5's norm
+(kernels.hybrid_reference.zero_centred_rms_norm / add_zero_centred_rms_norm):
+bf16(x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)), float32 until one rounding.
+
 CUDA-graph safe: with `out` given nothing is allocated, nothing syncs, and the
 launch grid depends only on the shapes.
 """
@@ -43,6 +47,13 @@ def _layout(hidden: int, tokens: int) -> tuple[str, tuple[int], tuple[int]]:
     threads = -(-vectors // per_thread)
     threads = -(-threads // 32) * 32
     return f"block{per_thread}", (tokens,), (threads,)
+
+
+def rows_supported(x: torch.Tensor) -> bool:
+    """Whether the kernels take x as rows (else the caller uses the reference)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
+            and x.shape[-1] % _VECTOR == 0 and 0 < x.shape[-1] <= _MAX_HIDDEN
+            and x.data_ptr() % 16 == 0)
 
 
 def _check_rows(name: str, x: torch.Tensor) -> tuple[int, int]:
@@ -88,12 +99,18 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
+def _kernel_name(add: bool, zero_centred: bool, suffix: str) -> str:
+    return f"{'add_' if add else ''}{'zc_' if zero_centred else ''}rms_norm_{suffix}"
+
+
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    *, zero_centred: bool = False,
 ) -> torch.Tensor:
     """x: bf16 [T, H], H a multiple of 8 up to 16384; weight: bf16 [H].
 
-    Returns (or fills) out, bf16 [T, H]: weight * bf16(x * rsqrt(mean(x^2) + eps)).
+    Returns (or fills) out, bf16 [T, H]: weight * bf16(x * rsqrt(mean(x^2) + eps)),
+    or with zero_centred bf16(x * rsqrt(mean(x^2) + eps) * (1 + weight)) in float32.
     out may be x itself (each element is read before it is written).
     """
     tokens, hidden = _check_rows("x", x)
@@ -102,7 +119,7 @@ def rms_norm(
     if tokens == 0:
         return out
     suffix, grid, block = _layout(hidden, tokens)
-    kernel = load_kernel(_SOURCE, f"rms_norm_{suffix}", x.device.index or 0)
+    kernel = load_kernel(_SOURCE, _kernel_name(False, zero_centred, suffix), x.device.index or 0)
     args = (ptr(out), np.uint64(0), ptr(x), ptr(weight), np.int32(tokens), np.int32(hidden),
             np.float32(1.0 / hidden), np.float32(eps))
     launch(kernel, grid, block, args, x.device)
@@ -115,11 +132,14 @@ def add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor | None = None,
+    *,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: bf16 [T, H], H a multiple of 8 up to 16384; weight: bf16 [H].
 
     Writes the new residual bf16(x + residual) into `residual` IN PLACE and
-    returns (out, residual) with out = rms_norm(new residual), bf16 [T, H].
+    returns (out, residual) with out = rms_norm(new residual, zero_centred=...),
+    bf16 [T, H].
     out may be x itself but must not overlap residual.
     """
     tokens, hidden = _check_rows("x", x)
@@ -134,7 +154,7 @@ def add_rms_norm(
     if tokens == 0:
         return out, residual
     suffix, grid, block = _layout(hidden, tokens)
-    kernel = load_kernel(_SOURCE, f"add_rms_norm_{suffix}", x.device.index or 0)
+    kernel = load_kernel(_SOURCE, _kernel_name(True, zero_centred, suffix), x.device.index or 0)
     args = (ptr(out), ptr(residual), ptr(x), ptr(weight), np.int32(tokens), np.int32(hidden),
             np.float32(1.0 / hidden), np.float32(eps))
     launch(kernel, grid, block, args, x.device)

@@ -6,7 +6,8 @@ causal mask aligned bottom-right, decode rows with q_len 1 mixed in). The
 kernel (kernels/csrc/prefill_attention.cu) is flash-attention style: one block
 per (tile of 128 packed (token, query head) rows, sequence, kv head), K/V tiles
 of 32 or 64 tokens gathered from the pages into shared memory, mma.sync bf16
-with float32 accumulation and an online float32 softmax.
+with float32 accumulation and an online float32 softmax. Head dims 64, 128
+and 256 are built (256: the "w16" shape only, 192 KB of shared memory).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kernels.cuda_build import (
 
 _SOURCE = "prefill_attention.cu"
 _BLOCK_M = 128  # packed (token, query head) rows per block (kBlockM)
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 _MAX_GRID_Y = 65535
 _INT32_MAX = 2**31 - 1
 
@@ -47,12 +48,15 @@ class _Shape(NamedTuple):
 
 # "w32": 4 warps of 32 rows, two blocks an SM (less shared-memory traffic per
 # FLOP); "w16": 8 warps of 16 rows (twice the warps for a grid too small to
-# give every SM two w32 blocks).
+# give every SM two w32 blocks). D = 256 has w16 only, one block an SM: its
+# output accumulator is 128 registers a thread at 16 rows (32 rows would not
+# fit), and (128 + 2 * 2 * 64) * 256 * 2 = 192 KB of shared memory.
 _SHAPES = {
     (128, "w32"): _Shape(threads=128, block_n=32, stages=3),
     (128, "w16"): _Shape(threads=256, block_n=64, stages=3),
     (64, "w32"): _Shape(threads=128, block_n=64, stages=3),
     (64, "w16"): _Shape(threads=256, block_n=64, stages=3),
+    (256, "w16"): _Shape(threads=256, block_n=64, stages=2),
 }
 
 
@@ -74,7 +78,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens over the paged cache.
 
-    q: bf16 [T, Hq, D], D 64 or 128; k_cache, v_cache: bf16 [P, S, Hkv, D], S
+    q: bf16 [T, Hq, D], D 64, 128 or 256; k_cache, v_cache: bf16 [P, S, Hkv, D], S
     a power of two (token t of sequence b at page block_tables[b, t // S],
     offset t % S), Hq a multiple of Hkv (query head h reads kv head
     h // (Hq / Hkv));
@@ -102,7 +106,8 @@ def _prefill_attention(
     variant: str | None,
 ) -> torch.Tensor:
     """paged_prefill_attention with the kernel shape ("w32" or "w16") forced
-    when variant is given (tests cover both), else picked by grid size."""
+    when variant is given (tests cover both), else picked by grid size (and
+    head dim: 256 has w16 only)."""
     check_cuda_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     device = q.device
     check_cuda_tensor("k_cache", k_cache, dtype=torch.bfloat16, ndim=4, device=device)
@@ -186,8 +191,11 @@ def _prefill_attention(
     if variant is None:
         # w32 runs two blocks an SM; below two blocks an SM of work, w16's
         # twice-as-many warps a row tile keep the SMs busier.
-        variant = "w32" if grid_x * batch >= 2 * _multiprocessors(device_index) else "w16"
-    shape = _SHAPES[(head_dim, variant)]
+        big_grid = grid_x * batch >= 2 * _multiprocessors(device_index)
+        variant = "w32" if big_grid and (head_dim, "w32") in _SHAPES else "w16"
+    shape = _SHAPES.get((head_dim, variant))
+    if shape is None:
+        raise ValueError(f"no {variant!r} prefill kernel for head dim {head_dim}")
 
     kernel = load_kernel(_SOURCE, f"paged_prefill_attention_d{head_dim}_{variant}", device_index)
     shared = shape.shared_bytes(head_dim)

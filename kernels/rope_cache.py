@@ -20,7 +20,7 @@ import torch
 from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
 
 _SOURCE = "rope_cache.cu"
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 _THREADS = 128
 
 
@@ -70,8 +70,8 @@ def rope_and_cache(
     cos_sin_cache: bf16 [max_positions, D] from build_rope_cache; k_cache,
     v_cache: bf16 [P, S, Hkv, D]; slot_mapping: int64 [T] (slot = page * S +
     offset, < 0: not written); q_norm_weight, k_norm_weight: bf16 [D] or None
-    (RMSNorm of each head over D with eps, before the rotation). D is 64 or
-    128 and Hq a multiple of Hkv.
+    (RMSNorm of each head over D with eps, before the rotation). D is 64, 128
+    or 256 and Hq a multiple of Hkv.
 
     Writes rope(norm(k)) and v to the caches' rows k_cache.view(-1, Hkv, D)
     [slot] and returns (or fills) q_out, bf16 [T, Hq, D] = rope(norm(q)).

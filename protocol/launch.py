@@ -88,6 +88,12 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Device memory (MiB) for a cache of recently used host-resident experts;
     # 0: none (every selected expert is read from host memory).
     expert_cache_mib: int = 0
+    # Hybrid models (recurrent state): state checkpoints kept per lane, and
+    # one every N prompt tokens of a long prefill (<= 0: none along the way);
+    # engine/kv/state_checkpoints.py. Other models ignore both: they resume
+    # any cached prefix from its KV pages alone.
+    ctx_checkpoints: int = 4
+    checkpoint_every_n_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -137,6 +143,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.expert_residency not in EXPERT_RESIDENCIES:
             raise ValueError(f"expert residency must be one of {', '.join(EXPERT_RESIDENCIES)}, "
                              f"got {self.expert_residency!r}")
+        if self.ctx_checkpoints < 0:
+            raise ValueError(f"--ctx-checkpoints must be 0 or more, got {self.ctx_checkpoints}")
         if self.host_expert_layers < 0 or self.expert_cache_mib < 0:
             raise ValueError("host expert layers and the expert cache must be >= 0, got "
                              f"{self.host_expert_layers} and {self.expert_cache_mib}")

@@ -67,6 +67,13 @@ class ModelShape:
     weight_elements: int
     # Elements of the routed experts, per layer that has them: (layer, elements).
     expert_elements: tuple[tuple[int, int], ...] = ()
+    # Hybrid models (Qwen3-Next, Qwen3.5): the layers that keep KV pages
+    # (None: all), and the recurrent state of one sequence over the
+    # linear-attention layers: conv elements (serving dtype), state
+    # elements (float32). See engine/execution/recurrent_state.py.
+    attention_layers: int | None = None
+    conv_state_elements: int = 0
+    recurrent_state_elements: int = 0
 
     def host_expert_elements(self, host_expert_layers: int) -> int:
         """Elements of the experts of the first host_expert_layers layers
@@ -139,8 +146,14 @@ def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
     rope_elements = shape.trained_context * shape.head_dim
     on_host = shape.host_expert_elements(engine.host_expert_layer_count)
     weights = (shape.weight_elements - on_host + rope_elements) * size
-    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * size
+    kv_layers = shape.layers if shape.attention_layers is None else shape.attention_layers
+    per_token = 2 * kv_layers * shape.kv_heads * shape.head_dim * size
     kv_tokens = planned_kv_tokens(shape, engine, fill=fill)
+    # A hybrid model's state rows: one per lane and its checkpoints (the
+    # engine may keep fewer checkpoints; this is the most it plans for).
+    state_rows = engine.max_concurrency * (1 + engine.ctx_checkpoints)
+    state_bytes = state_rows * (shape.conv_state_elements * size
+                                + shape.recurrent_state_elements * 4)
     activations = 0
     runtime = 0
     if cuda:
@@ -155,8 +168,8 @@ def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
         cache = engine.expert_cache_mib * MIB
         activations = step + logits + graphs + FIXED_SLACK_BYTES + cache
         runtime = CUDA_CONTEXT_BYTES
-    return Footprint(weights, kv_tokens * per_token, activations, runtime, kv_tokens,
-                     served_context(shape, engine))
+    return Footprint(weights, kv_tokens * per_token + state_bytes, activations, runtime,
+                     kv_tokens, served_context(shape, engine))
 
 
 # ---- reading the checkpoint ---------------------------------------------------------
@@ -194,7 +207,30 @@ def _hf_shape(directory: Path) -> ModelShape:
         trained_context=int(config.get("max_position_embeddings") or 2048),
         weight_elements=elements,
         expert_elements=tuple(sorted(experts.items())),
+        **_hf_hybrid_shape(config),
     )
+
+
+def _hf_hybrid_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid config's attention layers and recurrent state per sequence
+    ({} for any other model)."""
+    if "linear_num_value_heads" not in config:
+        return {}
+    layers = int(config["num_hidden_layers"])
+    interval = int(config.get("full_attention_interval") or 4)
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(layers)]
+    linear = sum(1 for kind in types if kind == "linear_attention")
+    key_heads = int(config["linear_num_key_heads"])
+    value_heads = int(config["linear_num_value_heads"])
+    key_dim, value_dim = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return {
+        "attention_layers": layers - linear,
+        "conv_state_elements": linear * channels * (int(config["linear_conv_kernel_dim"]) - 1),
+        "recurrent_state_elements": linear * value_heads * key_dim * value_dim,
+    }
 
 
 # Routed expert tensors and their layer: Hugging Face's model.layers.N.<block>.experts.E.*

@@ -369,6 +369,18 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "(0: none)", "MIB"),
     ModelOption("moe-cache-mib", integer(0), "engine.expert_cache_mib",
                 "llama.cpp's name for --expert-cache-mib", "MIB"),
+    ModelOption("ctx-checkpoints", integer(0), "engine.ctx_checkpoints",
+                "hybrid models (Qwen3-Next, Qwen3.5): recurrent-state checkpoints kept per "
+                "slot, from which a prompt that repeats a cached prefix resumes (0: none, "
+                "so such prefixes are computed again)", "N"),
+    ModelOption("swa-checkpoints", integer(0), "engine.ctx_checkpoints",
+                "llama.cpp's older name for --ctx-checkpoints", "N"),
+    ModelOption("checkpoint-every-n-tokens", integer(-1), "engine.checkpoint_every_n_tokens",
+                "hybrid models: a recurrent-state checkpoint every N prompt tokens of a "
+                "long prompt's prefill (-1 or 0: only at a prompt's end and where a "
+                "request stops)", "N"),
+    ModelOption("cpent", integer(-1), "engine.checkpoint_every_n_tokens",
+                "llama.cpp's short name for --checkpoint-every-n-tokens", "N"),
     ModelOption("seed", integer(-1, 2**64 - 1), "sampling.seed",
                 "seed of requests that bring none, so repeated requests reproduce "
                 "(-1: a random seed per request)", "N", default_text="-1"),

@@ -25,7 +25,9 @@ PERF = ROOT / "tests" / "perf"
 CPU_SCRIPTS = {
     "bench_cpu.py": ["--threads", "2"],
     "bench_embeddings.py": [],
+    "bench_gated_delta_prefill.py": [],
     "bench_gpu_draft_model.py": [],
+    "bench_gpu_hybrid.py": [],
     "bench_gpu_moe_decode.py": [],
     "bench_gpu_kv_tiers.py": [],
     "bench_gpu_moe.py": [],
@@ -42,7 +44,7 @@ GPU_ONLY = [
     "agent_workload.py", "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
     "bench_moe_grouped.py", "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
-    "profile_mixed_step.py", "profile_throughput.py",
+    "profile_hybrid_decode.py", "profile_mixed_step.py", "profile_throughput.py",
 ]
 
 

@@ -12,6 +12,7 @@ listed in block_tables. Hybrid models add each sequence's state slot.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,22 @@ class AttentionMetadata:
     # pools; state_fresh[b] says it starts from zero state (its first chunk).
     state_slots: torch.Tensor | None = None  # int64 [B]
     state_fresh: torch.Tensor | None = None  # bool [B]
+    # Where a verify step lays every token out as an attention row of its
+    # own (step_inputs.py), the linear-attention layers still see each
+    # sequence's tokens together: their bounds [B' + 1], one per state slot.
+    # None: the same as query_start_loc.
+    state_query_start_loc: torch.Tensor | None = None
+    state_query_start_loc_host: tuple[int, ...] | None = None
+
+    def for_recurrent_state(self) -> AttentionMetadata:
+        """The metadata the linear-attention layers read: query_start_loc
+        over the sequences that own state_slots."""
+        if self.state_query_start_loc is None:
+            return self
+        return dataclasses.replace(
+            self, query_start_loc=self.state_query_start_loc,
+            query_start_loc_host=self.state_query_start_loc_host or (),
+            state_query_start_loc=None, state_query_start_loc_host=None)
 
     @property
     def num_seqs(self) -> int:

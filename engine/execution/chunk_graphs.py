@@ -34,6 +34,7 @@ import torch
 from engine.execution.attention_metadata import AttentionMetadata
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
+from engine.execution.recurrent_state import StaticStateInputs
 from engine.execution.step_inputs import StepInputs
 from engine.models import CausalLM
 
@@ -108,6 +109,9 @@ class ChunkGraphs:
         self._host_rows = torch.zeros(lanes, dtype=torch.int64, pin_memory=True)
         self._copies_done: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # A hybrid model's state rows, one per lane (slot -1: untouched).
+        self.state = (StaticStateInputs(lanes, device)
+                      if model.config.has_recurrent_state else None)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The float32 logits [lanes, vocab] of the sampled rows (padded)."""
@@ -121,6 +125,8 @@ class ChunkGraphs:
             max_seq_len=self.max_context,
             query_start_loc_host=(),
             seq_lens_host=(),
+            state_slots=self.state.slots if self.state is not None else None,
+            state_fresh=self.state.fresh if self.state is not None else None,
         )
         input_ids = self.future.resolve(self.input_ids[:size])
         hidden = self.model.forward(input_ids, self.positions[:size], meta, self.kv_caches)
@@ -192,6 +198,8 @@ class ChunkGraphs:
         self.block_tables[:batch, :width].copy_(self._host_tables[:batch, :width],
                                                 non_blocking=True)
         self.sample_rows.copy_(self._host_rows, non_blocking=True)
+        if self.state is not None:
+            self.state.stage(inputs.state_slots, inputs.state_fresh, self.lanes)
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
         if not self._graphs:

@@ -32,6 +32,7 @@ import torch
 from engine.execution.attention_metadata import AttentionMetadata
 from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory
+from engine.execution.recurrent_state import StaticStateInputs
 from engine.execution.step_inputs import StepInputs
 from engine.models import CausalLM
 
@@ -116,6 +117,9 @@ class DecodeGraphs:
                                         pin_memory=True)
         self._copies_done: torch.cuda.Event | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # A hybrid model's state rows (slot -1: untouched, during capture too).
+        self.state = (StaticStateInputs(max_batch, device)
+                      if model.config.has_recurrent_state else None)
 
     def _metadata(self, batch: int, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -128,6 +132,10 @@ class DecodeGraphs:
             # The kernels read lengths on the device; nothing on the host.
             query_start_loc_host=(),
             seq_lens_host=(),
+            state_slots=self.state.slots[:batch] if self.state is not None else None,
+            state_fresh=self.state.fresh[:batch] if self.state is not None else None,
+            state_query_start_loc=(self.state.bounds[: batch + 1] if self.state is not None
+                                   else None),
         )
 
     def _forward(self, batch: int, bucket: int) -> None:
@@ -192,6 +200,9 @@ class DecodeGraphs:
         self.seq_lens[:padded].copy_(self._host_lens[:padded], non_blocking=True)
         self.block_tables[:padded, :width].copy_(self._host_tables[:padded, :width],
                                                  non_blocking=True)
+        if self.state is not None:
+            self.state.stage(inputs.state_slots, inputs.state_fresh, padded,
+                             inputs.state_query_start_loc)
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
         self._graphs[(padded, bucket)].replay()

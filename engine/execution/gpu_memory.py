@@ -80,7 +80,8 @@ def profile_step_peaks(
     shape = (pages, page_size, config.num_kv_heads, config.head_dim)
     dtype = model.embed_tokens.dtype
     scratch = [(torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+                torch.zeros(shape, dtype=dtype, device=device))
+               for _ in range(config.num_attention_layers)]
     inputs = DeviceInputs(device)
     try:
         prefill = _peak(model, sampler, inputs, scratch, _prefill_step(max_batched_tokens,
@@ -102,6 +103,10 @@ def _peak(model: CausalLM, sampler: Sampler, device_inputs: DeviceInputs,
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
+    if model.config.has_recurrent_state:
+        # A hybrid model's sequences each need a state row (the pools are attached).
+        step.state_slots = np.arange(step.num_seqs, dtype=np.int64)
+        step.state_fresh = np.ones(step.num_seqs, dtype=np.bool_)
     input_ids, positions, meta = device_inputs.metadata(step)
     hidden = model.forward(input_ids, positions, meta, kv)
     rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=device)

@@ -4,7 +4,10 @@ ReferenceOps runs kernels.reference (pure torch): the CPU path, any dtype, and
 CUDA in float32/float16. CudaOps runs our CUDA kernels (bf16 on a GPU): RMSNorm
 with the residual add fused in, RoPE fused with Qwen3's q/k norms and the KV
 cache write, SwiGLU, and paged attention (a split-K decode kernel for decode
-steps, a tensor-core prefill kernel for steps with prompt chunks). GEMMs are
+steps, a tensor-core prefill kernel for steps with prompt chunks), and for
+hybrid models the Gated DeltaNet causal conv and delta rule, the zero-centred
+RMSNorms (residual add fused), the gated output norm, the gated attention's
+q/k norms + partial RoPE + cache write, and the shared expert's gated sum. GEMMs are
 torch's (cuBLAS), except the projections of steps with at most 8 rows, which
 a bandwidth-bound skinny GEMM kernel does (kernels/skinny_gemm.py).
 
@@ -20,11 +23,26 @@ import torch
 import torch.nn.functional as F
 
 from engine.execution.attention_metadata import AttentionMetadata
-from kernels import activation, moe, moe_grouped, moe_reference, norm, reference
+from kernels import (
+    activation,
+    gated_delta,
+    gated_delta_chunked,
+    gated_delta_reference,
+    gated_delta_tc,
+    hybrid_reference,
+    moe,
+    moe_grouped,
+    moe_reference,
+    norm,
+    reference,
+)
 from kernels.cuda_build import cuda_available
 from kernels.decode_attention import decode_workspace, paged_decode_attention
+from kernels.gated_norm import gated_norm_supported, gated_rms_norm
+from kernels.gated_rope_cache import gated_rope_and_cache, rotary_dim_supported, sigmoid_gate_mul
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rope_cache import rope_and_cache
+from kernels.shared_expert import combine_supported, shared_expert_combine
 from kernels.skinny_gemm import skinny_linear, skinny_linear_supported
 
 if TYPE_CHECKING:
@@ -48,6 +66,23 @@ class ReferenceOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.add_rms_norm(x, residual, weight, eps)
 
+    def zero_centred_rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> torch.Tensor:
+        """Qwen3-Next's / Qwen3.5's RMSNorm: scaled by (1 + weight) in float32."""
+        return hybrid_reference.zero_centred_rms_norm(x, weight, eps)
+
+    def add_zero_centred_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(zero_centred_rms_norm(x + residual), x + residual), as add_rms_norm."""
+        return hybrid_reference.add_zero_centred_rms_norm(x, residual, weight, eps)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """Gated DeltaNet's output norm: x, gate [T, Hv, Dv] (gate may be a
+        strided view), weight [Dv] -> RMSNorm(x) * silu(gate), [T, Hv, Dv]."""
+        return hybrid_reference.gated_rms_norm(x, gate, weight, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
 
@@ -58,11 +93,13 @@ class ReferenceOps:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        rope_cache: torch.Tensor,
+        rope_cache: torch.Tensor | None,
         q_norm_weight: torch.Tensor | None,
         k_norm_weight: torch.Tensor | None,
     ) -> torch.Tensor:
-        """qkv: [T, q_size + 2 * kv_size] -> attention output [T, q_size]."""
+        """qkv: [T, q_size + 2 * kv_size] -> attention output [T, q_size].
+        rope_cache None: q and k arrive rotated already (a layer with its own
+        norms or partial rotary, such as GatedAttention)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
         q = q.view(tokens, config.num_heads, config.head_dim)
@@ -71,7 +108,8 @@ class ReferenceOps:
         if q_norm_weight is not None and k_norm_weight is not None:
             q = reference.rms_norm(q, q_norm_weight, config.rms_norm_eps)
             k = reference.rms_norm(k, k_norm_weight, config.rms_norm_eps)
-        q, k = reference.apply_rope(positions, q, k, rope_cache)
+        if rope_cache is not None:
+            q, k = reference.apply_rope(positions, q, k, rope_cache)
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = reference.paged_attention(
@@ -79,6 +117,33 @@ class ReferenceOps:
             meta.block_tables, config.head_dim**-0.5,
         )
         return out.view(tokens, config.q_size)
+
+    def gated_attention(
+        self,
+        config: ModelConfig,
+        projected: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rope_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Qwen3-Next's / Qwen3.5's GatedAttention between its two projections:
+        projected [T, 2 q_size + 2 kv_size] (per q head D of q, then D of gate;
+        then k, v) -> attention(rope(zc_norm(q)), ...) * sigmoid(gate), [T, q_size].
+        rope_cache: [max_positions, rotary_dim] (partial rotary); the q/k norms
+        are zero-centred."""
+        tokens = projected.shape[0]
+        q, k, v = hybrid_reference.gated_qk_norm_rope(
+            projected, positions, rope_cache, q_norm_weight, k_norm_weight, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        _, gate, _, _ = hybrid_reference.split_gated_qkv(
+            projected, config.num_heads, config.num_kv_heads, config.head_dim)
+        # q/k are normed and rotated: the shared attention op gets no rope_cache.
+        qkv = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], dim=-1)
+        out = self.attention(config, qkv, positions, meta, kv_cache, None, None, None)
+        return out * torch.sigmoid(gate.reshape(tokens, config.q_size))
 
     def moe_route(self, router_logits: torch.Tensor, top_k: int,
                   normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +157,32 @@ class ReferenceOps:
         experts/weights [T, k] -> the weighted sum of each token's experts [T, H].
         cache: device copies of some experts (a GPU's; the same values)."""
         return moe_reference.moe_experts(hidden, gate_up, down, experts.long(), weights)
+
+    def shared_expert_combine(self, routed: torch.Tensor, shared: torch.Tensor,
+                              gate_logit: torch.Tensor) -> torch.Tensor:
+        """A shared-expert MoE's output: routed [T, H] + sigmoid(gate_logit [T, 1])
+        * shared [T, H]."""
+        return routed + torch.sigmoid(gate_logit) * shared
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Gated DeltaNet's depthwise causal conv + SiLU: x [T, C], weight [C, K],
+        conv_states [S, C, K-1] (updated in the batch's state slots) -> [T, C]."""
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        return gated_delta_reference.causal_conv1d(x, weight, bias, conv_states, meta.state_slots,
+                                                   meta.state_fresh, meta.query_start_loc_host)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                         dt_bias: torch.Tensor, states: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """Gating (gdn_gating of a, b, A_log, dt_bias) and the gated delta rule:
+        q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv], states [S, Hv, Dk, Dv]
+        (updated in the batch's state slots) -> o [T, Hv, Dv]."""
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        g, beta = gated_delta_reference.gdn_gating(a, b, a_log, dt_bias)
+        return gated_delta_reference.gated_delta_rule(q, k, v, g, beta, states, meta.state_slots,
+                                                      meta.state_fresh, meta.query_start_loc_host)
 
 
 class CudaOps(ReferenceOps):
@@ -114,6 +205,10 @@ class CudaOps(ReferenceOps):
                               if config.moe is not None else None)
         # Host-resident experts' stacks, one layer's at a time, for large steps.
         self.staged_experts: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The cos/sin table of no rotation, for attention of q/k rotated already.
+        half = config.head_dim // 2
+        self.identity_rope = torch.cat([torch.ones(half), torch.zeros(half)]).to(
+            device=device, dtype=torch.bfloat16).view(1, config.head_dim)
 
     def workspace_bytes(self) -> int:
         tensors = [t for t in vars(self.workspace).values() if isinstance(t, torch.Tensor)]
@@ -141,6 +236,26 @@ class CudaOps(ReferenceOps):
         # residual stream is this forward pass's own tensor, never a weight.
         return norm.add_rms_norm(x, residual, weight, eps)
 
+    def zero_centred_rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> torch.Tensor:
+        if not norm.rows_supported(x):
+            return super().zero_centred_rms_norm(x, weight, eps)
+        return norm.rms_norm(x, weight, eps, zero_centred=True)
+
+    def add_zero_centred_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: as add_rms_norm, the new residual is written into residual in place.
+        if not norm.rows_supported(x):
+            return super().add_zero_centred_rms_norm(x, residual, weight, eps)
+        return norm.add_rms_norm(x, residual, weight, eps, zero_centred=True)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        if not gated_norm_supported(x, gate):
+            return super().gated_rms_norm(x, gate, weight, eps)
+        return gated_rms_norm(x, gate, weight, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(x)
 
@@ -156,6 +271,11 @@ class CudaOps(ReferenceOps):
         k_norm_weight: torch.Tensor | None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        if rope_cache is None:
+            # q/k come rotated: the fused kernel still writes the cache, here
+            # with the identity rotation (cos 1, sin 0 at position 0), exact.
+            rope_cache = self.identity_rope
+            positions = torch.zeros_like(positions)
         q = rope_and_cache(
             qkv, positions, rope_cache, k_cache, v_cache, meta.slot_mapping,
             config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
@@ -173,6 +293,109 @@ class CudaOps(ReferenceOps):
                 scale, meta.max_query_len,
             )
         return out.view(qkv.shape[0], config.q_size)
+
+    def gated_attention(
+        self,
+        config: ModelConfig,
+        projected: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rope_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        # One launch for the q/k norms, partial RoPE and the cache write (read
+        # from the interleaved projection in place), one for the gate; the
+        # reference takes about twenty small ops and three copies.
+        if (not rotary_dim_supported(config.head_dim, rope_cache.shape[-1])
+                or not projected.is_contiguous() or projected.data_ptr() % 16):
+            return super().gated_attention(config, projected, positions, meta, kv_cache,
+                                           rope_cache, q_norm_weight, k_norm_weight)
+        k_cache, v_cache = kv_cache
+        q = gated_rope_and_cache(
+            projected, positions, rope_cache, k_cache, v_cache, meta.slot_mapping,
+            config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
+            config.rms_norm_eps,
+        )
+        # NOTE: as attention() from here on (the same two kernels).
+        scale = config.head_dim**-0.5
+        if meta.max_query_len == 1:
+            out = paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                meta.max_seq_len, self.workspace,
+            )
+        else:
+            out = paged_prefill_attention(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                scale, meta.max_query_len,
+            )
+        out = out.view(projected.shape[0], config.q_size)
+        # The attention kernels allocated out: gated in place.
+        return sigmoid_gate_mul(out, projected, config.num_heads, out=out)
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not gated_delta.conv_supported(weight.shape[1]):
+            return super().causal_conv1d(x, weight, bias, conv_states, meta)
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        return gated_delta.causal_conv1d(x, weight, bias, conv_states, meta.state_slots,
+                                         meta.state_fresh, meta.query_start_loc)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                         dt_bias: torch.Tensor, states: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        # Head sizes the kernel is not built for (tiny test models) take the
+        # reference, which reads the batch on the host: eager steps only.
+        if not gated_delta.rule_supported(q.shape[-1], v.shape[-1]):
+            return super().gated_delta_rule(q, k, v, a, b, a_log, dt_bias, states, meta)
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        if meta.max_query_len > 1 and gated_delta_tc.tc_supported(q.shape[-1], v.shape[-1]):
+            return self._gated_delta_rule_prompts(q, k, v, a, b, a_log, dt_bias, states, meta)
+        # NOTE: sequences of at least MIN_CHUNKED_TOKENS tokens in an eager
+        # step run the chunked form (matrix products, a host loop per chunk);
+        # the recurrent kernel (a latency-bound step per token) serves the
+        # rest, and everything inside CUDA graphs, whose steps pass no host
+        # bounds (query_start_loc_host == ()).
+        long = gated_delta_chunked.chunked_sequences(meta.query_start_loc_host)
+        if not long:
+            return gated_delta.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, states,
+                                                meta.state_slots, meta.state_fresh,
+                                                meta.query_start_loc)
+        out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+        if len(long) < len(meta.query_start_loc_host) - 1:
+            # The kernel skips a sequence whose slot is < 0: hide the long ones.
+            qsl = meta.query_start_loc
+            lengths = qsl[1:] - qsl[:-1]
+            short_slots = torch.where(lengths >= gated_delta_chunked.MIN_CHUNKED_TOKENS,
+                                      -1, meta.state_slots)
+            gated_delta.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, states, short_slots,
+                                         meta.state_fresh, qsl, out=out)
+        return gated_delta_chunked.gated_delta_rule_chunked(
+            q, k, v, a, b, a_log, dt_bias, states, meta.state_slots, meta.state_fresh,
+            meta.query_start_loc_host, sequences=long, out=out)
+
+    def _gated_delta_rule_prompts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                                  dt_bias: torch.Tensor, states: torch.Tensor,
+                                  meta: AttentionMetadata) -> torch.Tensor:
+        # NOTE: a step with prompt chunks (max_query_len > 1, an upper bound
+        # that graph steps set too; decode and verify steps lay out single
+        # rows) runs sequences of MIN_TC_TOKENS or more through the chunked
+        # tensor-core kernel and the rest through the recurrent one. Each
+        # kernel skips the other's sequences on the device, so nothing is
+        # read back and graphs on and off compute the same numbers.
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        qsl = meta.query_start_loc
+        least = gated_delta_tc.MIN_TC_TOKENS
+        out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+        short_slots = torch.where(qsl[1:] - qsl[:-1] >= least, -1, meta.state_slots)
+        gated_delta.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, states, short_slots,
+                                     meta.state_fresh, qsl, out=out)
+        return gated_delta_tc.gated_delta_rule_tc(q, k, v, a, b, a_log, dt_bias, states,
+                                                  meta.state_slots, meta.state_fresh, qsl,
+                                                  out=out, min_tokens=least)
 
     def moe_route(self, router_logits: torch.Tensor, top_k: int,
                   normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +426,13 @@ class CudaOps(ReferenceOps):
             gate_up, down = self._staged_experts(gate_up, down, hidden.device)
         return moe_grouped.moe_experts_grouped(hidden, gate_up, down, experts.long(), weights,
                                                silu_and_mul=activation.silu_and_mul)
+
+    def shared_expert_combine(self, routed: torch.Tensor, shared: torch.Tensor,
+                              gate_logit: torch.Tensor) -> torch.Tensor:
+        if not combine_supported(routed, shared, gate_logit):
+            return super().shared_expert_combine(routed, shared, gate_logit)
+        # Written over shared: this forward pass's own intermediate.
+        return shared_expert_combine(routed, shared, gate_logit, out=shared)
 
     def _moe_workspace(self, intermediate: int, device: torch.device) -> torch.Tensor:
         if self.moe_workspace is None or self.moe_workspace.shape[1] != intermediate:
@@ -250,8 +480,9 @@ def make_ops(config: ModelConfig, device: torch.device, *, use_kernels: bool, ma
     return CudaOps(config, device, max_batch, max_context)
 
 
-# Head sizes the attention and RoPE kernels are built for.
-KERNEL_HEAD_DIMS = (64, 128)
+# Head sizes the attention and RoPE kernels are built for (256: Qwen3-Next's
+# and Qwen3.5's full-attention layers).
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def kernels_usable(device: torch.device, dtype: torch.dtype, config: ModelConfig) -> bool:

@@ -12,9 +12,11 @@ steps with prompt chunks of up to a couple of thousand tokens
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from engine.execution.graph_memory import GraphMemory
 from engine.execution.host_kv import HostKVPool
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
 from engine.execution.page_copy import copy_page_prefixes
+from engine.execution.recurrent_state import RecurrentStatePools, state_kernels_cover
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.kv.host_tier import KVTransfers
 from engine.loader import LoadedModel, load_model
@@ -52,6 +55,22 @@ from engine.scheduling.scheduler import SchedulerOutput
 from protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect garbage first and none while the body runs: Python's collector
+    may free CUDA objects of something dead (another engine's graphs or
+    events, in a process that builds several) in the middle of a capture,
+    and CUDA then refuses the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -117,10 +136,13 @@ class ModelRunner:
         if use_kernels != isinstance(self.model.ops, CudaOps):
             self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv()
+        # A hybrid model's recurrent state (attached by bootstrap before the
+        # step whose memory sizes the KV pool ran).
+        self.state_pools: RecurrentStatePools | None = getattr(self.model, "state_pools", None)
         self.expert_cache_bytes = expert_cache_bytes
         self.expert_cache = self._make_expert_cache()
         # The host tier's pages; host memory, so it stays through a sleep.
-        self.host_kv = (HostKVPool(host_kv_slots, num_layers=self.config.num_layers,
+        self.host_kv = (HostKVPool(host_kv_slots, num_layers=self.config.num_attention_layers,
                                    page_size=page_size, num_kv_heads=self.config.num_kv_heads,
                                    head_dim=self.config.head_dim, dtype=dtype, device=device)
                         if host_kv_slots else None)
@@ -163,6 +185,12 @@ class ModelRunner:
         graphs. Returns the seconds taken."""
         if not self.use_kernels:
             return 0.0
+        if self.config.has_recurrent_state and not state_kernels_cover(self.config):
+            # The reference ops read the batch on the host: no graphs, no padded steps.
+            log.info("%s: no CUDA graphs (our Gated DeltaNet kernels are not built for its "
+                     "head sizes; its linear-attention layers run the torch reference)",
+                     self.config.architecture)
+            return 0.0
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
         memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
@@ -175,13 +203,14 @@ class ModelRunner:
             )
         if memory is None:
             return 0.0
-        if self.chunk_graphs is not None:
-            self.chunk_graphs.capture()
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, self.future, memory, max_batch=self.decode_rows,
             max_context=self.max_context, page_size=self.page_size, device=self.device,
         )
-        self.graphs.capture()
+        with collector_paused():
+            if self.chunk_graphs is not None:
+                self.chunk_graphs.capture()
+            self.graphs.capture()
         self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         seconds = time.perf_counter() - started
         chunk_sizes = self.chunk_graphs.sizes if self.chunk_graphs is not None else []
@@ -201,7 +230,7 @@ class ModelRunner:
         dtype, device = self.dtype, self.device
         return [(torch.zeros(shape, dtype=dtype, device=device),
                  torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(self.config.num_layers)]
+                for _ in range(self.config.num_attention_layers)]
 
     # ---- sleep and wake --------------------------------------------------------
 
@@ -239,6 +268,7 @@ class ModelRunner:
         self.model.ops = REFERENCE_OPS  # drops the decode workspace
         kv = KVPageStash(self.kv_caches, keep_pages, pin=pin)
         self.kv_caches = []
+        state_bytes = self.state_pools.stash() if self.state_pools is not None else 0
         stash: WeightStash | DroppedWeights | None
         if weights == "disk":
             stash = DroppedWeights(self.model)
@@ -248,7 +278,8 @@ class ModelRunner:
             stash = WeightStash(self.model, pin=pin)
         self._sleeping = _Sleeping(kv, stash)
         release_device_memory(self.device)
-        return kv.nbytes + (stash.nbytes if isinstance(stash, WeightStash) else 0)
+        return (kv.nbytes + state_bytes
+                + (stash.nbytes if isinstance(stash, WeightStash) else 0))
 
     def wake(self) -> None:
         """Undo sleep(): weights and KV tensors back on the device, the kept
@@ -263,6 +294,8 @@ class ModelRunner:
             sleeping.weights.put_back(self.model, self.device)
         self.kv_caches = self._allocate_kv()
         sleeping.kv.put_back(self.kv_caches)
+        if self.state_pools is not None:
+            self.state_pools.put_back()
         self.model.ops = self._make_ops()
         self.expert_cache = self._make_expert_cache()
         self._sleeping = None
@@ -321,6 +354,16 @@ class ModelRunner:
         rows (EngineGrammar.fill_drafts), if any."""
         if self.expert_cache is not None:
             self.expert_cache.step()
+        if self.state_pools is not None:
+            self.state_pools.copy_rows(out.state_copies_before)
+        step = self._forward_step(out, draft_masks)
+        if self.state_pools is not None:
+            # Queued after the forward pass: the states as this step leaves them.
+            self.state_pools.copy_rows(out.state_copies_after)
+        return step
+
+    def _forward_step(self, out: SchedulerOutput,
+                      draft_masks: Callable[[], TokenMask | None] | None) -> StepForward:
         inputs = build_step_inputs(out, self.page_size, self.decode_rows)
         embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
                      if chunk.seq.params.pooling is not None]

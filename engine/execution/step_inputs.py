@@ -37,6 +37,13 @@ class StepInputs:
     # there (the key of a seeded row's random stream on the kernel path).
     draft_seqs: list[Sequence] = field(default_factory=list)
     draft_positions: list[int] = field(default_factory=list)
+    # Hybrid models: each sequence's recurrent-state row, and whether it
+    # starts from zero state (its first chunk); None for other models.
+    state_slots: np.ndarray | None = None  # int64 [B]
+    state_fresh: np.ndarray | None = None  # bool [B]
+    # A verify step laid out as decode rows: each sequence's bounds for the
+    # linear-attention layers (AttentionMetadata.state_query_start_loc).
+    state_query_start_loc: np.ndarray | None = None  # int32 [B + 1]
 
     @property
     def num_seqs(self) -> int:
@@ -118,8 +125,20 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
     positions = np.arange(len(row_of_token), dtype=np.int64) - query_start[row_of_token] + \
         starts[row_of_token]
     slots = slots_of(block_tables, row_of_token, positions, page_size)
-    if draft_rows and len(input_ids) <= decode_rows and all(
-            chunk.num_tokens == 1 or chunk.draft for chunk in chunks):
+    state_slots = state_fresh = state_query_start = None
+    if num_seqs and chunks[0].state_slot >= 0:
+        state_slots = np.fromiter((c.state_slot for c in chunks), dtype=np.int64, count=num_seqs)
+        state_fresh = starts == 0
+    # A hybrid model computes again the tokens a rejected draft's step kept
+    # (the recurrent state cannot be cut back: engine/scheduling/scheduler.py);
+    # as decode rows too, they come out as plain decoding computed them.
+    recomputed = [state_slots is not None and chunk.num_tokens > 1 and not chunk.draft
+                  and chunk.scored is None and chunk.seq.num_output_tokens > 0
+                  for chunk in chunks]
+    if (draft_rows or any(recomputed)) and len(input_ids) <= decode_rows and all(
+            chunk.num_tokens == 1 or chunk.draft or again
+            for chunk, again in zip(chunks, recomputed, strict=True)):
+        state_query_start = query_start if state_slots is not None else None
         query_start, seq_lens, block_tables = _as_decode_rows(positions, block_tables,
                                                               row_of_token)
     return StepInputs(
@@ -134,6 +153,9 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
         draft_rows=draft_rows,
         draft_seqs=draft_seqs,
         draft_positions=draft_positions,
+        state_slots=state_slots,
+        state_fresh=state_fresh,
+        state_query_start_loc=state_query_start,
     )
 
 
@@ -204,6 +226,15 @@ class DeviceInputs:
             max_seq_len=max_seq_len or int(inputs.seq_lens.max()),
             query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
             seq_lens_host=tuple(inputs.seq_lens.tolist()),
+            state_slots=(None if inputs.state_slots is None
+                         else self.tensor("state_slots", inputs.state_slots)),
+            state_fresh=(None if inputs.state_fresh is None
+                         else self.tensor("state_fresh", inputs.state_fresh)),
+            state_query_start_loc=(None if inputs.state_query_start_loc is None else
+                                   self.tensor("state_query_start_loc",
+                                               inputs.state_query_start_loc)),
+            state_query_start_loc_host=(None if inputs.state_query_start_loc is None
+                                        else tuple(inputs.state_query_start_loc.tolist())),
         )
         input_ids = self.tensor("input_ids", inputs.input_ids)
         positions = self.tensor("positions", inputs.positions)

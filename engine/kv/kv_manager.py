@@ -48,6 +48,7 @@ from engine.kv.disk_restore import DiskRestores
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier, KVTransfers
 from engine.kv.partial_pages import PartialHit, PartialPages, partial_hash
+from engine.kv.state_checkpoints import Place, StateCheckpoints
 from engine.scheduling.sequence import Sequence
 from protocol import CacheHits, SamplingParams
 
@@ -97,6 +98,9 @@ class KVManager:
         self.outstanding = 0
         self.partial = PartialPages()
         pool.on_forget = self.partial.forget
+        # A hybrid model's recurrent-state checkpoints: a cached prefix is
+        # reused only as far as the deepest checkpoint it holds.
+        self.checkpoints: StateCheckpoints | None = None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -137,6 +141,9 @@ class KVManager:
         seq is refused until they end (is_restoring)."""
         prefix, stopped = self._cached_prefix(seq)
         hit = self._partial_hit(seq, prefix)
+        restore = None
+        if self.checkpoints is not None:
+            prefix, hit, restore = self._resume_point(seq, prefix, hit)
         remaining_output = max(seq.params.max_tokens - seq.num_output_tokens, 0)
         target_tokens = min(
             seq.num_tokens + min(self.output_window, remaining_output), self.max_context
@@ -213,7 +220,36 @@ class KVManager:
             self._count_hits(seq.cache_hits)
         seq.reserved_pages = target_pages
         self.outstanding += target_pages - len(seq.block_table)
+        seq.state_restore = restore
+        seq.last_checkpoint = seq.num_computed_tokens
+        if restore is not None and self.checkpoints is not None:
+            counters = self.checkpoints.counters
+            counters.restored += 1
+            counters.restored_tokens += seq.num_computed_tokens
+            counters.restored_from_host += restore.host
         return True
+
+    def _resume_point(self, seq: Sequence, prefix: list[PrefixPage], hit: PartialHit | None
+                      ) -> tuple[list[PrefixPage], PartialHit | None, Place | None]:
+        """The cached prefix cut back to the deepest state checkpoint in it
+        (nothing when there is none), the partial page that checkpoint ends
+        in, and where the checkpoint is."""
+        assert self.checkpoints is not None
+        cached = len(prefix) * self.page_size + (hit.num_tokens if hit is not None else 0)
+        hashes = [entry.page_hash for entry in prefix]
+        while (found := self.checkpoints.find(seq.token_ids, hashes, cached)) is not None:
+            length, place = found
+            full, rest = divmod(length, self.page_size)
+            if not rest:
+                return prefix[:full], None, place
+            # The checkpoint ends inside a cached full page or the partial
+            # hit, copied up to it; a page in the host tier cannot be copied
+            # in part: look for a checkpoint before that page.
+            source = prefix[full].page if full < len(prefix) else hit.page  # type: ignore[union-attr]
+            if source is not None:
+                return prefix[:full], PartialHit(source, rest), place
+            cached = full * self.page_size
+        return [], None, None
 
     def _fits(self, prefix: list[PrefixPage], hit: PartialHit | None, target_pages: int) -> bool:
         """Whether target_pages fit beside the other sequences' reservations,

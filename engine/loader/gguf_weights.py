@@ -11,6 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from engine.loader.gguf_hybrid import HYBRID_ARCHITECTURES, HybridTensors
 from engine.loader.pooling import gguf_pooling
 from engine.models import model_class
 from engine.models.config import ModelConfig
@@ -65,6 +66,11 @@ class GGUFCheckpoint:
         cls = model_class(self.config.architecture)
         self._unpermute_qk = cls.gguf_permuted_qk
         self._expert_names = cls.expert_tensor_names
+        arch = self.reader.fields["general.architecture"].contents()
+        # The hybrid Qwen models' converter transforms tensors beyond renaming them.
+        self._hybrid = (HybridTensors(self.config, arch, self._hf_name,
+                                      int(_metadata_value(self.reader, "block_count")))
+                        if arch in HYBRID_ARCHITECTURES else None)
         # llama.cpp's converter stacks the experts; old Mixtral files list them one by one.
         self.stacked_experts = any(
             t.name.split(".")[-2] in _STACKED_EXPERTS for t in self.reader.tensors
@@ -79,16 +85,23 @@ class GGUFCheckpoint:
             done += int(tensor.n_bytes)
             if tensor.name in _CONFIG_TENSORS:
                 continue
-            name = hf_name(tensor.name, self._expert_names)
             array = _to_numpy(tensor)
-            if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
-                # The converter squeezes HF's [1, H] gate to a vector.
-                array = array[None]
-            if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = unpermute_rows(array, self.config.num_heads)
-            elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = unpermute_rows(array, self.config.num_kv_heads)
-            yield name, torch.from_numpy(array), done / total
+            restored = (self._hybrid.restore(tensor.name, array) if self._hybrid is not None
+                        else [(self._hf_name(tensor.name), array)])
+            for name, array in restored:
+                if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
+                    # The converter squeezes HF's [1, H] gate to a vector.
+                    array = array[None]
+                if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+                    array = unpermute_rows(array, self.config.num_heads)
+                elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+                    array = unpermute_rows(array, self.config.num_kv_heads)
+                yield name, torch.from_numpy(array), done / total
+        if self._hybrid is not None:
+            self._hybrid.check_complete()
+
+    def _hf_name(self, gguf_name: str) -> str:
+        return hf_name(gguf_name, self._expert_names)
 
 
 def hf_name(gguf_name: str, experts: ExpertTensorNames | None = None) -> str:

@@ -12,11 +12,17 @@ from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.__name__: cls
     for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
-                Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM,
+                Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)
 }
 # (general.architecture, whether the file has experts) -> HF architecture name.
 _GGUF_ARCHITECTURES: dict[tuple[str, bool], str] = {

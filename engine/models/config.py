@@ -172,6 +172,16 @@ class ModelConfig:
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
 
     @property
+    def has_recurrent_state(self) -> bool:
+        """A hybrid model: some layers carry recurrent state, not KV pages."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep K and V in the paged cache."""
+        return sum(1 for layer in range(self.num_layers) if not self.is_linear_attention(layer))
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -181,7 +191,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, that one cached token takes."""
-        return 2 * self.num_layers * self.kv_size * dtype.itemsize
+        return 2 * self.num_attention_layers * self.kv_size * dtype.itemsize
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
         """Shape of each layer's k_cache and v_cache tensor."""
@@ -220,6 +230,11 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         theta, scaling = _hf_rope(cfg)
         hybrid = cls_of_model.hf_hybrid(cfg)
+        moe = cls_of_model.hf_moe(cfg)
+        # A model whose every layer is sparse (Qwen3.5-MoE) names no dense MLP size.
+        dense_size = cfg.get("intermediate_size") or (
+            moe.intermediate_size if moe is not None
+            and len(moe.sparse_layers) == int(cfg["num_hidden_layers"]) else cfg["intermediate_size"])
         if hf_partial_rotary_factor(cfg) != 1.0 and "partial_rotary_factor" not in hybrid:
             raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not "
                              "supported")
@@ -227,7 +242,7 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(dense_size),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -240,7 +255,7 @@ class ModelConfig:
             attention_bias=traits.qkv_bias,
             qk_norm=traits.qk_norm,
             o_proj_bias=traits.o_proj_bias,
-            moe=cls_of_model.hf_moe(cfg),
+            moe=moe,
             **hybrid,
         )
 
@@ -253,14 +268,24 @@ class ModelConfig:
         arch = meta.architecture
         num_experts = int(meta.get(f"{arch}.expert_count", 0))
         architecture = gguf_architecture(arch, has_experts=num_experts > 0)
-        num_layers = int(meta.get(f"{arch}.block_count"))
-        moe = _gguf_moe(meta, model_class(architecture), num_experts, num_layers)
+        # llama.cpp counts MTP (next-token prediction) blocks as the last
+        # nextn_predict_layers blocks; the loader skips them.
+        num_layers = (int(meta.get(f"{arch}.block_count"))
+                      - int(meta.get(f"{arch}.nextn_predict_layers", 0)))
+        model_cls = model_class(architecture)
+        moe = _gguf_moe(meta, model_cls, num_experts, num_layers)
         hidden = int(meta.get(f"{arch}.embedding_length"))
         num_heads = int(meta.get(f"{arch}.attention.head_count"))
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
         value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
         rotary_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-        if value_dim != head_dim or rotary_dim != head_dim:
+        # Partial rotary embeddings only where the class reads them (gguf_hybrid).
+        hybrid = model_cls.gguf_hybrid(meta, num_layers, head_dim)
+        partial_rotary = "partial_rotary_factor" in hybrid
+        # Attention traits from a full-attention block (a hybrid's block 0 may be linear).
+        block = next((i for i, kind in enumerate(hybrid.get("layer_types", ()))
+                      if kind == FULL_ATTENTION), 0)
+        if value_dim != head_dim or (rotary_dim != head_dim and not partial_rotary):
             raise ValueError(
                 f"GGUF has key/value/rotary sizes {head_dim}/{value_dim}/{rotary_dim}; "
                 "only models with one head size and full rotary embeddings are supported"
@@ -281,10 +306,11 @@ class ModelConfig:
             rope_scaling=meta.rope_scaling(),
             max_position_embeddings=int(meta.get(f"{arch}.context_length")),
             tie_word_embeddings=not meta.has_tensor("output.weight"),
-            attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
-            qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"),
-            o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
+            attention_bias=meta.has_tensor(f"blk.{block}.attn_q.bias"),
+            qk_norm=meta.has_tensor(f"blk.{block}.attn_q_norm.weight"),
+            o_proj_bias=meta.has_tensor(f"blk.{block}.attn_output.bias"),
             moe=moe,
+            **hybrid,
         )
 
 

@@ -201,6 +201,11 @@ class CausalLM(nn.Module):
         return {}
 
     @classmethod
+    def gguf_hybrid(cls, meta: Any, num_layers: int, head_dim: int) -> dict[str, Any]:
+        """hf_hybrid's fields from a GGUF file's metadata (meta: config._GGUFFields)."""
+        return {}
+
+    @classmethod
     def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,
                  weights_norm: bool | None, num_layers: int) -> MoEConfig:
         """The mixture-of-experts facts of a GGUF file's {arch}.expert_* keys

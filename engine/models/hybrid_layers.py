@@ -1,9 +1,12 @@
 """The pieces Qwen3-Next and Qwen3.5 add to the decoder, on the CPU reference path.
 
-- zero_centred_rms_norm: their RMSNorms store w and scale by (1 + w), in float32.
+- Zero-centred RMSNorms: their weights w scale by (1 + w), in float32
+  (ops.zero_centred_rms_norm; references in kernels/hybrid_reference.py).
 - GatedAttention: full attention whose q_proj emits, per head, q and a gate;
   the attention output is multiplied by sigmoid(gate) before o_proj. q/k get a
-  zero-centred RMSNorm per head and RoPE turns only the first rotary_dim dims.
+  zero-centred RMSNorm per head and RoPE turns only the first rotary_dim dims
+  (all of it between the projections is ops.gated_attention: one fused
+  kernel for norms, RoPE and cache write on the GPU).
 - GatedDeltaNet: the linear-attention token mixer over per-sequence state
   slots (kernels/gated_delta_reference.py), with its gated RMSNorm.
 - SharedExpertMoE: Qwen3-Next's (and Qwen2-MoE's) routed experts (a
@@ -13,8 +16,9 @@
 Checkpoints keep the projections in their own row layouts (Qwen3-Next groups
 in_proj_qkvz per key head, q_proj interleaves q and gate per head). A fused
 weight's slots are row slices, and a per-head interleave is no row slice, so
-the weights keep the checkpoint's row order and forward() de-interleaves the
-projection's output (views and one concatenation).
+the weights keep the checkpoint's row order and the ops de-interleave the
+projection's output (the reference with views and one concatenation, the
+kernels by reading it in place).
 """
 
 from __future__ import annotations
@@ -22,14 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.execution.attention_metadata import AttentionMetadata
 from engine.execution.model_ops import ReferenceOps
 from engine.models.config import ModelConfig
-from kernels import reference
-from kernels.gated_delta_reference import causal_conv1d, gated_delta_rule, gdn_gating
 
 # A linear-attention layer's entry in kv_caches: (conv_states [S, C, K-1],
 # states [S, Hv, Dk, Dv]); a full-attention layer's is (k_cache, v_cache).
@@ -38,36 +39,6 @@ StatePools = tuple[torch.Tensor, torch.Tensor]
 
 def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm scaled by (1 + weight), all in float32 and rounded once, as
-    Qwen3-Next and Qwen3.5 compute it (checkpoints store weights near 0)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> torch.Tensor:
-    """The Gated DeltaNet output norm: RMSNorm over the last dim (plain
-    weight, rounded to x's dtype before scaling), then times silu(gate) in float32."""
-    x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
-
-
-def apply_partial_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                       rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on the first rotary_dim dims of each head (rope_cache is built
-    for rotary_dim: [max_positions, rotary_dim]); the rest pass through."""
-    rotary_dim = rope_cache.shape[-1]
-    if rotary_dim == q.shape[-1]:
-        return reference.apply_rope(positions, q, k, rope_cache)
-    q_rot, k_rot = reference.apply_rope(positions, q[..., :rotary_dim], k[..., :rotary_dim],
-                                        rope_cache)
-    return (torch.cat((q_rot, q[..., rotary_dim:]), dim=-1),
-            torch.cat((k_rot, k[..., rotary_dim:]), dim=-1))
 
 
 class GatedAttention(nn.Module):
@@ -90,21 +61,11 @@ class GatedAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: StatePools, rope_cache: torch.Tensor,
                 ops: ReferenceOps) -> torch.Tensor:
-        cfg, tokens = self.config, hidden.shape[0]
         projected = ops.linear(hidden, self.qkv_weight, self.qkv_bias)
-        q_and_gate, k, v = projected.split([2 * cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, gate = q_and_gate.view(tokens, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
-        q = zero_centred_rms_norm(q, self.q_norm_weight, cfg.rms_norm_eps)
-        k = zero_centred_rms_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim),
-                                  self.k_norm_weight, cfg.rms_norm_eps)
-        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_partial_rope(positions, q, k, rope_cache)
-        k_cache, v_cache = kv_cache
-        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = reference.paged_attention(q, k_cache, v_cache, meta.query_start_loc_host,
-                                        meta.seq_lens_host, meta.block_tables,
-                                        cfg.head_dim**-0.5)
-        out = out.reshape(tokens, cfg.q_size) * torch.sigmoid(gate.reshape(tokens, cfg.q_size))
+        # The zero-centred q/k norms, partial RoPE and output gate are this
+        # layer's own: ops.gated_attention (a fused kernel on the GPU).
+        out = ops.gated_attention(self.config, projected, positions, meta, kv_cache, rope_cache,
+                                  self.q_norm_weight, self.k_norm_weight)
         return ops.linear(out, self.o_weight, self.o_bias)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -152,20 +113,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, pools: StatePools,
                 ops: ReferenceOps) -> torch.Tensor:
         dims, tokens = self.dims, hidden.shape[0]
-        slots, fresh = meta.state_slots, meta.state_fresh
-        assert slots is not None and fresh is not None, "linear attention needs state slots"
+        assert meta.state_slots is not None and meta.state_fresh is not None, \
+            "linear attention needs state slots"
         conv_states, states = pools
         mixed, z, b, a = self._split(ops.linear(hidden, self.in_proj_weight))
-        mixed = causal_conv1d(mixed, self.conv_weight[:, 0], None, conv_states, slots, fresh,
-                              meta.query_start_loc_host)
+        mixed = ops.causal_conv1d(mixed, self.conv_weight[:, 0], None, conv_states, meta)
         q, k, v = mixed.split([dims.key_size, dims.key_size, dims.value_size], dim=-1)
-        g, beta = gdn_gating(a, b, self.a_log, self.dt_bias)
-        o = gated_delta_rule(
+        o = ops.gated_delta_rule(
             q.reshape(tokens, dims.num_key_heads, dims.key_head_dim),
             k.reshape(tokens, dims.num_key_heads, dims.key_head_dim),
             v.reshape(tokens, dims.num_value_heads, dims.value_head_dim),
-            g, beta, states, slots, fresh, meta.query_start_loc_host)
-        out = gated_rms_norm(o, z, self.norm_weight, self.eps)
+            a, b, self.a_log, self.dt_bias, states, meta)
+        out = ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
         return ops.linear(out.reshape(tokens, dims.value_size), self.out_weight)
 
     def _split(self, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:

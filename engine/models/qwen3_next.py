@@ -7,22 +7,25 @@ a gated shared expert in its sparse layers, a dense SwiGLU elsewhere and in
 all of Qwen3.5's. All RMSNorms but the Gated DeltaNet's output norm are
 zero-centred (engine/models/hybrid_layers.py).
 
-kv_caches[layer] is (k_cache, v_cache) for a full-attention layer and
-(conv_states [S, C, K-1], states [S, Hv, Dk, Dv]) for a linear-attention
-one; the metadata's state_slots / state_fresh say which slot each sequence's
-state lives in and whether it starts from zero.
+forward()'s kv_caches hold the paged (k_cache, v_cache) of the full-attention
+layers only, in layer order, as the engine's KV pool does; the
+linear-attention layers read their (conv_states [S, C, K-1], states [S, Hv,
+Dk, Dv]) from the recurrent state pools attached with attach_state()
+(engine/execution/recurrent_state.py). The metadata's state_slots /
+state_fresh say which row each sequence's state lives in and whether it
+starts from zero.
 
-NOTE: these classes run on the CPU reference ops and are checked against
-transformers (tests/engine/test_hybrid_models.py); they are not in the served
-architecture table (engine/models/__init__.py) until the engine keeps state slots.
-Qwen3.5 here is the text model (Qwen3_5ForCausalLM, model.* names); the
-multimodal checkpoints' model.language_model.* prefix and Qwen3-Next's mtp.*
-tensors are not mapped yet.
+Checked token for token against transformers on the CPU
+(tests/engine/test_hybrid_models.py, tests/engine/test_hybrid_serving.py).
+Qwen3.5 here is the text model (Qwen3_5ForCausalLM, model.* names); the HF
+loader reads Qwen3.5's multimodal checkpoints as it (engine/loader/hf_weights.py)
+and the GGUF loader undoes llama.cpp's qwen3next / qwen35 / qwen35moe layouts
+(engine/loader/gguf_hybrid.py). MTP heads are skipped in both.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +42,12 @@ from engine.models.config import (
     hf_partial_rotary_factor,
 )
 from engine.models.decoder import MLP, AttentionTraits, CausalLM, experts_on_host
-from engine.models.hybrid_layers import (
-    GatedAttention,
-    GatedDeltaNet,
-    StatePools,
-    zero_centred_rms_norm,
-)
+from engine.models.hybrid_layers import GatedAttention, GatedDeltaNet, StatePools
 from engine.models.shared_expert_moe import SharedExpertMoE
 from kernels.reference import build_rope_cache
+
+if TYPE_CHECKING:
+    from engine.execution.recurrent_state import RecurrentStatePools
 
 # transformers' defaults where a config.json leaves these out.
 _DEFAULT_PARTIAL_ROTARY = 0.25
@@ -57,8 +58,17 @@ def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.P
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
 
 
+def _every_nth_full_attention(num_layers: int, interval: int) -> tuple[str, ...]:
+    """Layer types when a config gives only full_attention_interval: every
+    interval-th layer (1-based) full attention, the rest linear."""
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                 for i in range(num_layers))
+
+
 class HybridLayer(nn.Module):
-    """Zero-centred pre-norm block: x + mixer(norm(x)), then + mlp(norm(...))."""
+    """Zero-centred pre-norm block: x + mixer(norm(x)), then + mlp(norm(...)).
+    As DecoderLayer, the residual add is fused into the following norm
+    (ops.add_zero_centred_rms_norm: a bf16 add, then the norm, as transformers)."""
 
     def __init__(self, config: ModelConfig, mixer: GatedAttention | GatedDeltaNet,
                  mlp: MLP | SharedExpertMoE, device: torch.device | str,
@@ -70,24 +80,38 @@ class HybridLayer(nn.Module):
         self.mixer = mixer
         self.mlp = mlp
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: StatePools, rope_cache: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        normed = zero_centred_rms_norm(hidden, self.input_norm_weight, self.eps)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, meta: AttentionMetadata, cache: StatePools,
+                rope_cache: torch.Tensor, ops: ReferenceOps
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before it); the next
+        layer's input norm (or the final norm) adds the two."""
+        if residual is None:
+            residual = hidden
+            normed = ops.zero_centred_rms_norm(hidden, self.input_norm_weight, self.eps)
+        else:
+            normed, residual = ops.add_zero_centred_rms_norm(hidden, residual,
+                                                             self.input_norm_weight, self.eps)
         if isinstance(self.mixer, GatedDeltaNet):
             mixed = self.mixer(normed, meta, cache, ops)
         else:
             mixed = self.mixer(normed, positions, meta, cache, rope_cache, ops)
-        hidden = hidden + mixed
-        return hidden + self.mlp(zero_centred_rms_norm(hidden, self.post_attention_norm_weight,
-                                                       self.eps), ops)
+        normed, residual = ops.add_zero_centred_rms_norm(mixed, residual,
+                                                         self.post_attention_norm_weight, self.eps)
+        return self.mlp(normed, ops), residual
 
-    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+    def weight_destinations(self, prefix: str, stacked_experts: bool = False
+                            ) -> dict[str, torch.Tensor]:
         mixer = "linear_attn" if isinstance(self.mixer, GatedDeltaNet) else "self_attn"
+        if stacked_experts and isinstance(self.mlp, SharedExpertMoE):
+            mlp = self.mlp.stacked_weight_destinations(f"{prefix}.mlp")
+        else:
+            mlp = self.mlp.weight_destinations(f"{prefix}.mlp")
         return {
             f"{prefix}.input_layernorm.weight": self.input_norm_weight,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_norm_weight,
             **self.mixer.weight_destinations(f"{prefix}.{mixer}"),
-            **self.mlp.weight_destinations(f"{prefix}.mlp"),
+            **mlp,
         }
 
 
@@ -107,9 +131,8 @@ class HybridCausalLM(CausalLM):
         layers = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types")
         if not types:
-            interval = int(cfg.get("full_attention_interval", _DEFAULT_FULL_ATTENTION_INTERVAL))
-            types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                     for i in range(layers)]
+            types = _every_nth_full_attention(
+                layers, int(cfg.get("full_attention_interval", _DEFAULT_FULL_ATTENTION_INTERVAL)))
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
         return {
@@ -123,6 +146,51 @@ class HybridCausalLM(CausalLM):
             ),
             "partial_rotary_factor": hf_partial_rotary_factor(cfg, _DEFAULT_PARTIAL_ROTARY),
         }
+
+    @classmethod
+    def gguf_hybrid(cls, meta: Any, num_layers: int, head_dim: int) -> dict[str, Any]:
+        """The same fields from llama.cpp's metadata (meta: config._GGUFFields):
+        the converter writes the Gated DeltaNet dims as ssm.* keys (group_count:
+        key heads, time_step_rank: value heads, state_size: key head dim,
+        inner_size: value heads x value head dim, conv_kernel), the layer
+        pattern as full_attention_interval and the rotated dims per head as
+        rope.dimension_count."""
+        arch = meta.architecture
+        value_heads = int(meta.get(f"{arch}.ssm.time_step_rank"))
+        inner = int(meta.get(f"{arch}.ssm.inner_size"))
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        factor = rotary / head_dim
+        if inner % value_heads or int(head_dim * factor) != rotary:
+            raise ValueError(f"GGUF {arch}: ssm.inner_size {inner} over {value_heads} value "
+                             f"heads, or {rotary} rotary dims of {head_dim}, do not divide")
+        interval = int(meta.get(f"{arch}.full_attention_interval",
+                                _DEFAULT_FULL_ATTENTION_INTERVAL))
+        return {
+            "layer_types": _every_nth_full_attention(num_layers, interval),
+            "linear_attention": LinearAttentionConfig(
+                num_key_heads=int(meta.get(f"{arch}.ssm.group_count")),
+                num_value_heads=value_heads,
+                key_head_dim=int(meta.get(f"{arch}.ssm.state_size")),
+                value_head_dim=inner // value_heads,
+                conv_kernel_size=int(meta.get(f"{arch}.ssm.conv_kernel")),
+            ),
+            "partial_rotary_factor": factor,
+        }
+
+    @classmethod
+    def gguf_moe(cls, num_experts: int, experts_per_token: int, intermediate_size: int,
+                 weights_norm: bool | None, num_layers: int) -> MoEConfig:
+        # llama.cpp's qwen3next / qwen35moe graphs put experts in every layer and
+        # renormalise the top-k weights (the converter writes no norm_topk_prob;
+        # every released checkpoint sets it); a file that says otherwise is obeyed.
+        # The shared expert's size is read by ModelConfig.from_gguf.
+        return MoEConfig(
+            num_experts=num_experts,
+            experts_per_token=experts_per_token,
+            intermediate_size=intermediate_size,
+            normalize_topk=True if weights_norm is None else weights_norm,
+            sparse_layers=tuple(range(num_layers)),
+        )
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                  host_expert_layers: int = 0) -> None:
@@ -144,6 +212,7 @@ class HybridCausalLM(CausalLM):
                                 config.rope_theta, config.rope_scaling, device, dtype)
         self.register_buffer("rope_cache", rope, persistent=False)
         self.ops: ReferenceOps = REFERENCE_OPS
+        self.state_pools: RecurrentStatePools | None = None
 
     def _mixer(self, config: ModelConfig, layer: int, device: torch.device | str,
                dtype: torch.dtype) -> GatedAttention | GatedDeltaNet:
@@ -158,29 +227,51 @@ class HybridCausalLM(CausalLM):
                                    host_resident=experts_on_host(layer, self.host_expert_layers))
         return MLP(config, device, dtype)
 
+    def attach_state(self, pools: RecurrentStatePools) -> None:
+        """The recurrent state pools the linear-attention layers read and update."""
+        self.state_pools = pools
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[StatePools]) -> torch.Tensor:
-        """As CausalLM.forward; a linear-attention layer's kv_caches entry is
-        its (conv_states, states) pools, updated in place at meta.state_slots."""
+        """As CausalLM.forward; kv_caches holds the full-attention layers'
+        pages, and a linear-attention layer updates its rows of the attached
+        state pools at meta.state_slots."""
+        pools = self.state_pools
+        assert pools is not None, "a hybrid model needs its state pools attached"
+        assert len(kv_caches) == self.config.num_attention_layers
+        paged = iter(kv_caches)
+        # A verify step's attention rows are single tokens; the recurrent
+        # state runs over each sequence's tokens together.
+        state_meta = meta.for_recurrent_state()
+        ops = self.ops
         hidden = F.embedding(input_ids, self.embed_tokens)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, meta, cache, self.rope_cache, self.ops)
-        return zero_centred_rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            if self.config.is_linear_attention(index):
+                hidden, residual = layer(hidden, residual, positions, state_meta,
+                                         pools.layer(index), self.rope_cache, ops)
+            else:
+                hidden, residual = layer(hidden, residual, positions, meta, next(paged),
+                                         self.rope_cache, ops)
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = ops.add_zero_centred_rms_norm(hidden, residual, self.norm_weight,
+                                                  self.config.rms_norm_eps)
+        return hidden
 
     def weight_destinations(self, stacked_experts: bool = False) -> dict[str, torch.Tensor]:
-        if stacked_experts:
-            raise ValueError(f"{type(self).__name__} has no GGUF (stacked-expert) layout yet")
         dests = {"model.embed_tokens.weight": self.embed_tokens,
                  "model.norm.weight": self.norm_weight}
         if not self.config.tie_word_embeddings:
             dests["lm_head.weight"] = self.lm_head
         for index, layer in enumerate(self.layers):
-            dests.update(layer.weight_destinations(f"model.layers.{index}"))
+            dests.update(layer.weight_destinations(f"model.layers.{index}", stacked_experts))
         return dests
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):
     grouped_linear_projection = True
+    gguf_architecture = "qwen3next"
+    gguf_has_experts = True
 
     @classmethod
     def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
@@ -209,3 +300,30 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
     """Qwen3.5's text decoder: dense MLPs, separate in_proj_qkv/z/b/a. Its
     interleaved multimodal RoPE gives text positions (all three axes equal)
     the plain partial RoPE."""
+
+    gguf_architecture = "qwen35"
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's mixture-of-experts text decoder: Qwen3.5's layers, every
+    MLP routed experts (always renormalised) plus a gated shared expert."""
+
+    gguf_architecture = "qwen35moe"
+    gguf_has_experts = True
+
+    @classmethod
+    def hf_moe(cls, cfg: dict[str, Any]) -> MoEConfig | None:
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if shared == 0:
+            raise ValueError("Qwen3.5-MoE without a shared expert "
+                             "(shared_expert_intermediate_size 0) is not supported")
+        # transformers' router divides the top-k weights by their sum, whatever
+        # the config says, and every layer is sparse.
+        return MoEConfig(
+            num_experts=int(cfg["num_experts"]),
+            experts_per_token=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            normalize_topk=True,
+            sparse_layers=tuple(range(int(cfg["num_hidden_layers"]))),
+            shared_expert_intermediate_size=shared,
+        )

@@ -36,8 +36,9 @@ class SharedExpertMoE(nn.Module):
             torch.empty((1, config.hidden_size), device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        gate = torch.sigmoid(ops.linear(hidden, self.shared_gate_weight))
-        return self.routed(hidden, ops) + gate * self.shared_expert(hidden, ops)
+        gate_logit = ops.linear(hidden, self.shared_gate_weight)
+        return ops.shared_expert_combine(self.routed(hidden, ops),
+                                         self.shared_expert(hidden, ops), gate_logit)
 
     def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
         return {

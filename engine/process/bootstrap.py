@@ -24,9 +24,15 @@ from engine.kv.disk_tier import DiskTier, artifact_digest, format_digest, tier_d
 from engine.kv.host_tier import HostTier
 from engine.kv.kv_manager import KVManager
 from engine.kv.kv_sizing import HostKvPlan, KvPlan, plan_host_kv, plan_kv
+from engine.kv.state_checkpoints import StateCheckpoints
 from engine.loader import LoadedModel, load_model
 from engine.loader.pooling import choose_pooling
 from engine.loader.vocabulary import check_same_vocabulary
+from engine.process.recurrent_setup import (
+    attach_recurrent_state,
+    share_host_tier,
+    without_disk_tier,
+)
 from engine.sampling.draft_model import DraftModelDrafter
 from engine.sampling.drafter import Drafter, NgramDrafter
 from engine.sampling.sampler import Sampler
@@ -96,12 +102,16 @@ def assemble_engine(
     dtype = resolve_dtype(config)
     model = loaded.config
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+    # Only full-attention layers keep K and V in pages (a hybrid model's
+    # linear-attention layers keep recurrent state: engine/process/recurrent_setup.py).
+    bytes_per_token = (2 * model.num_attention_layers * model.num_kv_heads * model.head_dim
+                       * dtype_bytes)
     use_kernels = kernels_usable(device, dtype, model)
     if device.type == "cuda" and not use_kernels:
         log.warning("our CUDA kernels need CuPy (pip install 'roundhouse[cuda13]' or "
-                    "'[cuda12]'), bfloat16 and head size 64 or 128 (this model: %s, %d): running "
-                    "the torch reference ops, without CUDA graphs", dtype, model.head_dim)
+                    "'[cuda12]'), bfloat16 and head size 64, 128 or 256 (this model: %s, %d): "
+                    "running the torch reference ops, without CUDA graphs", dtype,
+                    model.head_dim)
     if device.type == "cuda" and config.host_experts and not use_kernels:
         raise ValueError("host-resident experts (--expert-residency host, --n-cpu-moe) are read "
                          "by our CUDA kernels, which need CuPy and bfloat16: install "
@@ -113,6 +123,7 @@ def assemble_engine(
                                       config.draft_tokens if config.spec != "none" else 0)
     loaded.model.ops = make_ops(model, device, use_kernels=use_kernels,
                                 max_batch=decode_rows, max_context=served_context)
+    state_pools = attach_recurrent_state(loaded, config, device, dtype)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
     weights_bytes = loaded_weights_bytes(loaded)
     host_weights_bytes = _log_host_experts(loaded, device)
@@ -160,6 +171,9 @@ def assemble_engine(
         dtype, plan.max_context, config.max_concurrency,
     )
     host_plan = _plan_host_tier(config, plan, device)
+    no_disk = state_pools is not None and without_disk_tier(config, model.architecture)
+    if state_pools is not None:
+        host_plan = share_host_tier(host_plan, state_pools)
     if device.type == "cuda":
         progress(1.0, "capturing CUDA graphs" if cuda_graph else "allocating the KV pool")
     runner = ModelRunner(
@@ -179,8 +193,11 @@ def assemble_engine(
                  host_plan.total_bytes / 2**20, host_plan.num_slots, plan.page_size,
                  "page-locked" if device.type == "cuda" else "plain memory",
                  host_plan.limit_bytes / 2**20)
+    # The ledger's KV figure includes a hybrid model's recurrent state and checkpoints.
+    state_bytes = state_pools.nbytes if state_pools is not None else 0
     if device.type == "cuda":
-        ledger = _ledger(runner, peaks, plan.total_bytes, plan.num_pages, plan.capacity_tokens,
+        ledger = _ledger(runner, peaks, plan.total_bytes + state_bytes, plan.num_pages,
+                         plan.capacity_tokens,
                          headroom_bytes, weights_bytes, draft_weights_bytes, drafter)
         ledger = dataclasses.replace(ledger, host_weights_bytes=host_weights_bytes)
         log.info("%s", ledger.describe())
@@ -188,16 +205,20 @@ def assemble_engine(
     else:
         draft_kv_bytes = drafter.kv_bytes if isinstance(drafter, DraftModelDrafter) else 0
         memory = MemoryFacts(weights_bytes=weights_bytes + draft_weights_bytes,
-                             kv_bytes=plan.total_bytes + draft_kv_bytes,
+                             kv_bytes=plan.total_bytes + state_bytes + draft_kv_bytes,
                              host_weights_bytes=host_weights_bytes)
     fingerprint = kv_fingerprint(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
     )
     host_tier = (HostTier(host_plan.num_slots, plan.page_size, host_plan.page_bytes)
                  if host_plan.num_slots else None)
-    disk_tier = _disk_tier(config, model_path, runner, host_tier)
+    disk_tier = None if no_disk else _disk_tier(config, model_path, runner, host_tier)
     kv = KVManager(BlockPool(plan.num_pages, plan.page_size), fingerprint, config.output_window,
                    plan.max_context, host=host_tier, disk=disk_tier)
+    if state_pools is not None:
+        # Without checkpoints (--ctx-checkpoints 0) no cached prefix is reused.
+        kv.checkpoints = StateCheckpoints(state_pools.checkpoints, plan.page_size, fingerprint,
+                                          host_count=state_pools.host_rows)
     scheduler = Scheduler(
         kv,
         max_concurrency=config.max_concurrency,
@@ -206,6 +227,9 @@ def assemble_engine(
         drafter=drafter,
         draft_tokens=config.draft_tokens,
         max_verify_rows=decode_rows,
+        recurrent_state=state_pools is not None,
+        checkpoint_every=max(config.checkpoint_every_n_tokens, 0),
+        state_backup_row=state_pools.backup_row if state_pools is not None else -1,
     )
     if config.spec == "ngram":
         log.info("speculative decoding: %s, up to %d draft tokens per step, n-grams %d..%d",
@@ -256,6 +280,10 @@ def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,
     if config.spec != "draft" or not config.draft_model:
         return None
     draft = load_model(Path(config.draft_model), device, dtype)
+    if draft.config.has_recurrent_state:
+        raise ValueError(f"--draft-model {config.draft_model} is a hybrid model "
+                         f"({draft.config.architecture}); a draft model must be a plain "
+                         "decoder (its KV cache is paged only)")
     if draft.config.max_position_embeddings < served_context:
         raise ValueError(
             f"--draft-model {config.draft_model} was trained for {draft.config.max_position_embeddings} "
@@ -318,7 +346,8 @@ def _disk_tier(config: EngineOptions, model_path: Path, runner: ModelRunner,
         log.warning("--disk-kv-path: the host tier is off (no memory for it), so is the disk tier")
         return None
     model = runner.config
-    kv_format = format_digest(str(runner.host_kv.dtype), host_tier.page_size, model.num_layers,
+    kv_format = format_digest(str(runner.host_kv.dtype), host_tier.page_size,
+                              model.num_attention_layers,
                               model.num_kv_heads, model.head_dim)
     directory = tier_directory(Path(config.disk_kv_path), artifact_digest(model_path), kv_format)
     tier = DiskTier(directory, kv_format=kv_format, page_size=host_tier.page_size,

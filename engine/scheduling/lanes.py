@@ -73,6 +73,10 @@ class Lanes:
         self._held[seq.request_id] = index
         return index
 
+    def index_of(self, seq: Sequence) -> int:
+        """The lane a running seq holds."""
+        return self._held[seq.request_id]
+
     def release(self, seq: Sequence, *, finished: bool) -> None:
         """seq leaves its lane (finished, aborted or preempted); the lane keeps
         its tokens (a pending placeholder dropped). A finished request's pin

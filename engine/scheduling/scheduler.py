@@ -41,7 +41,8 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
-from engine.kv.kv_manager import KVManager
+from engine.kv.kv_manager import KVManager, takes_hits
+from engine.kv.state_checkpoints import RowCopy
 from engine.sampling.draft_length import DraftLength
 from engine.sampling.drafter import Drafter, DraftRow, may_draft
 from engine.sampling.verify import accept_drafts
@@ -67,6 +68,8 @@ class ScheduledChunk:
     # agrees with; `accepted` counts them once it has.
     draft: list[int] = field(default_factory=list)
     accepted: int = 0
+    # A hybrid model's recurrent-state row for this sequence (its lane), or -1.
+    state_slot: int = -1
 
     def __post_init__(self) -> None:
         if self.samples is None:
@@ -79,6 +82,12 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Hybrid models: recurrent-state rows to copy (src, dst), in order, before
+    # the step's forward pass (checkpoints of sequences that left their lane,
+    # then resumes from checkpoints) and after it (checkpoints of this step's
+    # chunks). See engine/kv/state_checkpoints.py.
+    state_copies_before: list[RowCopy] = field(default_factory=list)
+    state_copies_after: list[RowCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,8 +108,26 @@ class Scheduler:
         drafter: Drafter | None = None,
         draft_tokens: int = 0,
         max_verify_rows: int = 0,
+        recurrent_state: bool = False,
+        checkpoint_every: int = 0,
+        state_backup_row: int = -1,
     ):
         self.kv = kv
+        # A hybrid model: each running sequence's recurrent state lives in
+        # the row of its lane; with kv.checkpoints, rows are saved at a
+        # prompt's last token but one, every checkpoint_every prompt tokens
+        # (0: never) and where a sequence leaves its lane, and restored where
+        # a prompt resumes (engine/kv/state_checkpoints.py).
+        self.recurrent_state = recurrent_state
+        self.checkpoint_every = checkpoint_every
+        # Under speculative decoding, lane i's state is copied to row
+        # state_backup_row + i before a step verifies its drafts; a rejected
+        # draft puts it back and recomputes the accepted tokens (-1: none).
+        self.state_backup_row = state_backup_row
+        self.num_state_rollbacks = 0
+        # Checkpoints of sequences that finished since the last step: copied
+        # before the next one, whatever runs in their lanes then.
+        self._saves_before: list[RowCopy] = []
         # Speculative decoding (off: None): decode rows that may draft (greedy
         # or sampled, see may_draft) whose tokens are all on the host get up
         # to draft_tokens guesses verified per step.
@@ -178,6 +205,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
         self.clock += 1
+        out.state_copies_before, self._saves_before = self._saves_before, []
 
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
@@ -203,7 +231,7 @@ class Scheduler:
                 break
             if seq.is_prefilling:
                 # Admission gave a prefilling sequence pages for all its tokens.
-                count = min(seq.num_uncomputed_tokens, budget)
+                count = self._chunk_tokens(seq, budget)
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, count))
                 budget -= count
 
@@ -223,13 +251,18 @@ class Scheduler:
                     continue  # its disk reads just started (KVManager.try_admit)
                 break
             self.waiting.remove(seq)
-            self.lanes.assign(seq)
+            lane = self.lanes.assign(seq)
+            if seq.state_restore is not None:
+                host, index = seq.state_restore
+                row = index if host else self._checkpoint_row(index)
+                out.state_copies_before.append(RowCopy(row, lane, src_host=host))
+                seq.state_restore = None
             if first_admission:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_tokens_total += seq.num_cached_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            count = min(seq.num_uncomputed_tokens, budget)
+            count = self._chunk_tokens(seq, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, count))
             budget -= count
         if out.is_empty and self.has_work() and not self.running and not self.kv.restoring:
@@ -250,6 +283,14 @@ class Scheduler:
             # Computed as far as the scheduler is concerned: the device runs
             # this step before any later one reads these pages.
             seq.num_computed_tokens = end
+            if self.recurrent_state:
+                chunk.state_slot = self.lanes.index_of(seq)
+                if chunk.draft:
+                    assert self.state_backup_row >= 0, "drafts without state backups"
+                    out.state_copies_before.append(
+                        RowCopy(chunk.state_slot, self.state_backup_row + chunk.state_slot))
+                if self._checkpoints_at(chunk):
+                    self._save_state(seq, end, chunk.state_slot, out.state_copies_after)
         self.kv.unpin_copy_sources()
         return out
 
@@ -332,6 +373,65 @@ class Scheduler:
         drafts = self.drafter.propose_batch(rows) if rows else []  # type: ignore[union-attr]
         return {row.key: draft for row, draft in zip(rows, drafts, strict=True)}
 
+    # ---- recurrent state (hybrid models) ---------------------------------------
+
+    def _chunk_tokens(self, seq: Sequence, budget: int) -> int:
+        """The tokens of seq's next prompt chunk. With state checkpoints, a
+        prompt of more than a page ends its prefill one token early, so a
+        checkpoint holds the state just before its last token: the deepest
+        point a later request with the same prompt can resume from (its last
+        token is always computed)."""
+        count = min(seq.num_uncomputed_tokens, budget)
+        if (self._checkpointing and count == seq.num_uncomputed_tokens
+                and count > 1 and seq.num_output_tokens == 0
+                and seq.num_prompt_tokens > self.kv.page_size and takes_hits(seq.params)):
+            count -= 1
+        return count
+
+    def _checkpoints_at(self, chunk: ScheduledChunk) -> bool:
+        """Whether the state after this (prompt) chunk is saved."""
+        seq, end = chunk.seq, chunk.start + chunk.num_tokens
+        if (not self._checkpointing or chunk.num_tokens < 2 or chunk.draft
+                or not takes_hits(seq.params)):
+            return False
+        if seq.num_output_tokens == 0 and end == seq.num_prompt_tokens - 1:
+            return True  # cut there by _chunk_tokens
+        return 0 < self.checkpoint_every <= end - seq.last_checkpoint
+
+    @property
+    def _checkpointing(self) -> bool:
+        return self.kv.checkpoints is not None and self.kv.checkpoints.count > 0
+
+    def _checkpoint_row(self, index: int) -> int:
+        return self.max_concurrency + index
+
+    def _save_state(self, seq: Sequence, length: int, lane: int,
+                    copies: list[RowCopy]) -> None:
+        """Queue a copy of lane's state, which holds seq's first `length`
+        tokens by the time the copy runs, to a checkpoint keyed by them
+        (unless one holds them already, or one of them is still on the device)."""
+        checkpoints = self.kv.checkpoints
+        if checkpoints is None or not 0 < length <= seq.num_tokens:
+            return
+        tokens = seq.token_ids[:length]
+        if min(tokens) < 0:
+            return
+        index, moved = checkpoints.save(checkpoints.key(tokens, length, seq.block_hashes))
+        seq.last_checkpoint = length
+        if moved is not None:
+            # The checkpoint that made room goes to a host row first.
+            copies.append(RowCopy(self._checkpoint_row(moved[0]), moved[1], dst_host=True))
+        if index is not None:
+            copies.append(RowCopy(lane, self._checkpoint_row(index)))
+
+    def _checkpoint_leaving(self, seq: Sequence, copies: list[RowCopy]) -> None:
+        """seq leaves its lane (finished, aborted or preempted): save its state
+        where it got to, for a later turn of its conversation (or its own
+        readmission) to resume from."""
+        if (self._checkpointing and seq.status is SeqStatus.RUNNING
+                and takes_hits(seq.params) and seq.num_computed_tokens > seq.last_checkpoint):
+            self._save_state(seq, seq.num_computed_tokens, self.lanes.index_of(seq), copies)
+
     def _ends_by_length(self, seq: Sequence) -> bool:
         """seq's tokens so far (a pending one included) reach max_tokens or the context."""
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_context
@@ -349,6 +449,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._checkpoint_leaving(seq, out.state_copies_before)
         self.running.remove(seq)
         self.lanes.release(seq, finished=False)
         self.kv.free(seq)
@@ -457,6 +558,16 @@ class Scheduler:
             # The cache holds K/V for the chunk's first token and the accepted
             # drafts; the rejected positions past them are written over later.
             seq.num_computed_tokens = chunk.start + 1 + chunk.accepted
+            if self.recurrent_state and chunk.accepted < len(chunk.draft):
+                # The recurrent state went through the rejected drafts too and
+                # cannot be cut back: the state from before the step returns
+                # and the next step computes the kept tokens again (their K/V
+                # come out the same; the recurrent kernels do not depend on
+                # how a sequence's tokens are split into steps).
+                lane = chunk.state_slot
+                self._saves_before.append(RowCopy(self.state_backup_row + lane, lane))
+                seq.num_computed_tokens = chunk.start
+                self.num_state_rollbacks += 1
             self.kv.trim(seq)
         return reason
 
@@ -478,6 +589,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._checkpoint_leaving(seq, self._saves_before)
         self.lanes.release(seq, finished=True)
         self.kv.free(seq)
         if hasattr(self.drafter, "forget"):
@@ -488,6 +600,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.running)
+        if self.kv.checkpoints is not None:
+            self.kv.checkpoints.check_invariants()
         assert len(self.running) <= self.max_concurrency
         for seq in self.running:
             assert seq.status is SeqStatus.RUNNING

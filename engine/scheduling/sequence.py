@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 
+from engine.kv.state_checkpoints import Place
 from engine.sampling.draft_length import DraftLength
 from protocol import CacheHits, FinishReason, SamplingParams
 
@@ -22,9 +23,10 @@ class Sequence:
     __slots__ = (
         "block_hashes",
         "block_table",
-    "cache_hits",
+        "cache_hits",
         "draft_length",
         "finish_reason",
+        "last_checkpoint",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_scored",
@@ -32,6 +34,7 @@ class Sequence:
         "params",
         "request_id",
         "reserved_pages",
+        "state_restore",
         "status",
         "token_ids",
     )
@@ -60,6 +63,11 @@ class Sequence:
         # scheduler's, from its recent acceptance); None: it never drafts.
         self.draft_length: DraftLength | None = None
         self.finish_reason: FinishReason | None = None
+        # Hybrid models (engine/kv/state_checkpoints.py): the checkpoint its
+        # admission resumes from, until the scheduler queues the copy; and
+        # the prefix length of its latest checkpoint (or resume point).
+        self.state_restore: Place | None = None
+        self.last_checkpoint = 0
 
     def __repr__(self) -> str:
         return (

@@ -58,13 +58,13 @@ class SlotActions:
     @cached_property
     def kv_format(self) -> bytes:
         runner, config = self.runner, self.runner.config
-        return format_digest(str(runner.dtype), runner.page_size, config.num_layers,
+        return format_digest(str(runner.dtype), runner.page_size, config.num_attention_layers,
                              config.num_kv_heads, config.head_dim)
 
     @cached_property
     def page_bytes(self) -> int:
         runner, config = self.runner, self.runner.config
-        return (2 * config.num_layers * runner.page_size * config.num_kv_heads
+        return (2 * config.num_attention_layers * runner.page_size * config.num_kv_heads
                 * config.head_dim * runner.dtype.itemsize)
 
     def handle(self, command: SlotCommand) -> None:
@@ -74,6 +74,13 @@ class SlotActions:
             return
         if not 0 <= command.id_slot < len(lanes):
             self.emit(SlotReply(command.action_id, error="Invalid slot ID"))
+            return
+        if command.action in ("save", "restore") and self.runner.config.has_recurrent_state:
+            # A slot file holds KV pages; this model's lanes also hold recurrent
+            # state, which slot files do not carry (yet).
+            self.emit(SlotReply(command.action_id, error=(
+                f"slot {command.action} is not supported for {self.runner.config.architecture}: "
+                "its linear-attention layers keep a recurrent state that slot files do not hold")))
             return
         if lanes.busy(command.id_slot) or any(d.id_slot == command.id_slot for d in self.deferred):
             self.deferred.append(command)

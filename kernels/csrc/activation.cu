@@ -8,12 +8,13 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 }  // namespace
 
-// grid: (ceil(I / (8 * blockDim.x)), T); I must be a multiple of 8.
+// grid: (T, ceil(I / (8 * blockDim.x))); I must be a multiple of 8. Rows go
+// in grid.x: a grouped MoE step has T = tokens x top-k rows, past grid.y's 65535.
 extern "C" __global__ void silu_and_mul_bf16(__nv_bfloat16* __restrict__ out,
                                              const __nv_bfloat16* __restrict__ x,
                                              int intermediate) {
-    const long row = blockIdx.y;
-    const int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    const long row = blockIdx.x;
+    const int col = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (col >= intermediate) return;
     const __nv_bfloat16* gate = x + row * 2 * intermediate + col;
     const __nv_bfloat16* up = gate + intermediate;

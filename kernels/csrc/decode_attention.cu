@@ -2,7 +2,9 @@
 // cache, grouped-query heads, split-K over the context. Semantics are those of
 // kernels.reference.paged_attention with q_len = 1 per row.
 //
-// Work split. A CTA (4 warps) owns one (batch row b, kv head, split s). The
+// Work split. A CTA (4 warps) owns one (batch row b, kv head, split s) (at
+// head dim 256 with more than 8 query heads a kv head, two CTAs do, 8 heads
+// each: decode_split's HT). The
 // context is cut into chunks of 64 tokens (one 16-token tile per warp) dealt
 // round-robin to the num_splits splits of a row: split s takes chunks s,
 // s + num_splits, ... so a short sequence under a large max_seq_len still
@@ -74,9 +76,15 @@ __device__ __forceinline__ long long token_row(const int* table, int token, int 
     return ((static_cast<long long>(page) << page_shift) + slot) * row_elems;
 }
 
-// One CTA: batch row blockIdx.z, kv head blockIdx.y, split blockIdx.x.
-// D: head dim (64 or 128). NT: tiles of 8 query heads (group <= 8 * NT).
-template <int D, int NT>
+// One CTA: batch row blockIdx.z, kv head blockIdx.y, split blockIdx.x / HT,
+// head tile blockIdx.x % HT. D: head dim (64, 128 or 256). NT: tiles of 8
+// query heads per CTA. HT: CTAs that share a (row, kv head, split), each
+// taking 8 * NT of the group's heads (group <= 8 * NT * HT); every one reads
+// the split's K/V (the second read mostly from L2). HT = 2 is for D = 256,
+// where a CTA cannot hold 16 heads' accumulators in registers (nor their
+// 64 KB of merge buffers in static shared memory); HT = 1 compiles to the
+// one-CTA-per-split kernel.
+template <int D, int NT, int HT>
 __device__ __forceinline__ void decode_split(
     __nv_bfloat16* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_stats, const __nv_bfloat16* __restrict__ q,
@@ -91,15 +99,20 @@ __device__ __forceinline__ void decode_split(
     __shared__ float s_max[kWarps][kHeads];
     __shared__ float s_sum[kWarps][kHeads];
 
-    const int split = blockIdx.x;
+    const int split = blockIdx.x / HT;
+    const int head_tile = blockIdx.x % HT;
     const int kv_head = blockIdx.y;
     const int b = blockIdx.z;
     const int seq_len = __ldg(seq_lens + b);
     const int num_heads = num_kv_heads * group;
+    // This CTA's query heads: head0 + 0 .. tile_heads - 1.
+    const int head0 = kv_head * group + head_tile * kHeads;
+    const int tile_heads = HT == 1 ? group : min(kHeads, group - head_tile * kHeads);
     // A split whose first chunk is past the end has no work (the reduce skips
     // it too). Split 0 always runs so that an empty row still gets a defined
     // (zero) output rather than stale memory.
     if (split * kChunkTokens >= seq_len && !(split == 0 && seq_len <= 0)) return;
+    if (HT > 1 && tile_heads <= 0) return;  // a group too small for this head tile
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -116,11 +129,11 @@ __device__ __forceinline__ void decode_split(
     for (int nt = 0; nt < NT; ++nt) {
         const int h = nt * 8 + g;
         const __nv_bfloat16* q_row =
-            q + (static_cast<long long>(b) * num_heads + kv_head * group + h) * D + t * 8;
+            q + (static_cast<long long>(b) * num_heads + head0 + h) * D + t * 8;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (h < group) v = load_16b(q_row + 32 * c);
+            if (h < tile_heads) v = load_16b(q_row + 32 * c);
             q_frag[nt][c][0] = v.x;
             q_frag[nt][c][1] = v.y;
             q_frag[nt][c][2] = v.z;
@@ -315,7 +328,7 @@ __device__ __forceinline__ void decode_split(
     __syncthreads();
 
     // Merge the warps (a warp that saw no tile has max -inf: weight 0).
-    for (int i = threadIdx.x; i < group * D; i += kThreads) {
+    for (int i = threadIdx.x; i < tile_heads * D; i += kThreads) {
         const int h = i / D;
         const int d = i % D;
         float m = neg_inf();
@@ -331,7 +344,7 @@ __device__ __forceinline__ void decode_split(
                 value += weight * s_out[w][h][d];
             }
         }
-        const long long head_row = static_cast<long long>(b) * num_heads + kv_head * group + h;
+        const long long head_row = static_cast<long long>(b) * num_heads + head0 + h;
         if (num_splits == 1) {
             out[head_row * D + d] = __float2bfloat16(total > 0.0f ? value / total : 0.0f);
         } else {
@@ -347,12 +360,12 @@ __device__ __forceinline__ void decode_split(
 
 }  // namespace
 
-// Grid (num_splits, num_kv_heads, batch), block 128, no dynamic shared memory.
+// Grid (num_splits * HT, num_kv_heads, batch), block 128, no dynamic shared memory.
 // q [B, Hq, D], caches [P, S, Hkv, D] (S = 1 << page_shift), block_tables
 // [>= B, table_stride], seq_lens [>= B]; out [B, Hq, D] when num_splits == 1,
 // else part_out [B * Hq * num_splits, D] and part_stats [B * Hq * num_splits, 2]
 // (max in the log2 domain, sum of exp2).
-#define DECODE_SPLIT_KERNEL(NAME, D, NT)                                                        \
+#define DECODE_SPLIT_KERNEL(NAME, D, NT, HT)                                                   \
     extern "C" __global__ void __launch_bounds__(kThreads) NAME(                               \
         __nv_bfloat16* __restrict__ out, float* __restrict__ part_out,                         \
         float* __restrict__ part_stats, const __nv_bfloat16* __restrict__ q,                  \
@@ -360,17 +373,23 @@ __device__ __forceinline__ void decode_split(
         const int* __restrict__ block_tables, const int* __restrict__ seq_lens,              \
         float scale_log2, int num_kv_heads, int group, int page_shift, int table_stride,      \
         int num_splits) {                                                                     \
-        decode_split<D, NT>(out, part_out, part_stats, q, k_cache, v_cache, block_tables,      \
+        decode_split<D, NT, HT>(out, part_out, part_stats, q, k_cache, v_cache, block_tables,  \
                             seq_lens, scale_log2, num_kv_heads, group, page_shift,             \
                             table_stride, num_splits);                                         \
     }
 
-DECODE_SPLIT_KERNEL(paged_decode_d64_g8, 64, 1)
-DECODE_SPLIT_KERNEL(paged_decode_d64_g16, 64, 2)
-DECODE_SPLIT_KERNEL(paged_decode_d128_g8, 128, 1)
-DECODE_SPLIT_KERNEL(paged_decode_d128_g16, 128, 2)
+DECODE_SPLIT_KERNEL(paged_decode_d64_g8, 64, 1, 1)
+DECODE_SPLIT_KERNEL(paged_decode_d64_g16, 64, 2, 1)
+DECODE_SPLIT_KERNEL(paged_decode_d128_g8, 128, 1, 1)
+DECODE_SPLIT_KERNEL(paged_decode_d128_g16, 128, 2, 1)
+// D = 256 (Qwen3-Next, Qwen3.5): 8 heads a CTA; 255 registers a thread, no
+// spills, so 2 CTAs a multiprocessor (3 at D = 128). Groups of 9-16 take two
+// CTAs a split (HT = 2) rather than NT = 2, which would need ~320 registers.
+DECODE_SPLIT_KERNEL(paged_decode_d256_g8, 256, 1, 1)
+DECODE_SPLIT_KERNEL(paged_decode_d256_g16, 256, 1, 2)
 
-// Log-sum-exp merge of the splits that had work. Grid (Hq, B), block head_dim.
+// Log-sum-exp merge of the splits that had work. Grid (Hq, B), block
+// min(head_dim, 128) (the threads stride over the head dim).
 extern "C" __global__ void __launch_bounds__(128) paged_decode_reduce(
     __nv_bfloat16* __restrict__ out, const float* __restrict__ part_out,
     const float* __restrict__ part_stats, const int* __restrict__ seq_lens, int num_heads,

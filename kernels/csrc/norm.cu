@@ -3,6 +3,9 @@
 //   summed = bf16(x + residual)                      (add variant: the new residual)
 //   scale  = rsqrtf(sum(summed^2) * (1/H) + eps)      float32
 //   out    = bf16(weight * bf16(summed * scale))
+// and of the zero-centred variant (Qwen3-Next's and Qwen3.5's norms,
+// kernels.hybrid_reference.zero_centred_rms_norm), float32 until one rounding:
+//   out    = bf16((summed * scale) * (1 + weight))
 //
 // Each row is read once and written once; it stays in registers (packed bf16,
 // VPT 16-byte vectors per thread) between the sum-of-squares pass and the
@@ -79,6 +82,21 @@ __device__ __forceinline__ uint4 vec_normalize(const uint4& x, const uint4& weig
     return out;
 }
 
+// bf16((x * scale) * (1 + weight)): the zero-centred form, float32 throughout
+// (1 + w in float32: a bf16 1 + w would drop w's low bits) and rounded once.
+// The _rn intrinsics pin each step to one rounding, as torch's three ops.
+__device__ __forceinline__ uint4 vec_normalize_zero_centred(const uint4& x, const uint4& weight,
+                                                            float scale) {
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float normalized = __fmul_rn(vec_get(x, i), scale);
+        const float factor = __fadd_rn(1.0f, vec_get(weight, i));
+        vec_set(out, i, __float2bfloat16_rn(__fmul_rn(normalized, factor)));
+    }
+    return out;
+}
+
 constexpr unsigned kFullMask = 0xffffffffu;
 // Block rows use at most 256 threads (the wrapper picks VPT so).
 constexpr int kMaxBlockWarps = 8;
@@ -104,7 +122,8 @@ __device__ __forceinline__ uint4 vec_add(const uint4& x, const uint4& r) {
 
 // One row. group_size threads (lane `member` of them) share it.
 // BLOCK_ROW: the group is the whole CTA and needs shared memory for the sum.
-template <int VPT, bool ADD, bool BLOCK_ROW>
+// ZC: the zero-centred weight (1 + w).
+template <int VPT, bool ADD, bool BLOCK_ROW, bool ZC>
 __device__ __forceinline__ void norm_row(__nv_bfloat16* out, __nv_bfloat16* residual,
                                          const __nv_bfloat16* x,
                                          const __nv_bfloat16* __restrict__ weight, int vectors,
@@ -164,59 +183,67 @@ __device__ __forceinline__ void norm_row(__nv_bfloat16* out, __nv_bfloat16* resi
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int v = member + i * group_size;
-        if (v < vectors) store_vec(out + v * 8, vec_normalize(row[i], scale_by[i], scale));
+        if (v < vectors) {
+            store_vec(out + v * 8, ZC ? vec_normalize_zero_centred(row[i], scale_by[i], scale)
+                                      : vec_normalize(row[i], scale_by[i], scale));
+        }
     }
 }
 
 // grid: ceil(T / (blockDim.x / 32)); a warp per row, blockDim.x / 32 rows per CTA.
-template <int VPT, bool ADD>
+template <int VPT, bool ADD, bool ZC>
 __device__ __forceinline__ void warp_rows(__nv_bfloat16* out, __nv_bfloat16* residual,
                                           const __nv_bfloat16* x, const __nv_bfloat16* weight,
                                           int tokens, int hidden, float inv_hidden, float eps) {
     const long row = static_cast<long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= tokens) return;  // whole warps leave together: shuffles stay full
     const long offset = row * hidden;
-    norm_row<VPT, ADD, false>(out + offset, ADD ? residual + offset : nullptr, x + offset,
+    norm_row<VPT, ADD, false, ZC>(out + offset, ADD ? residual + offset : nullptr, x + offset,
                               weight, hidden / 8, threadIdx.x & 31, 32, inv_hidden, eps);
 }
 
 // grid: T; a CTA per row; blockDim.x a multiple of 32, at most 256.
-template <int VPT, bool ADD>
+template <int VPT, bool ADD, bool ZC>
 __device__ __forceinline__ void block_rows(__nv_bfloat16* out, __nv_bfloat16* residual,
                                            const __nv_bfloat16* x, const __nv_bfloat16* weight,
                                            int hidden, float inv_hidden, float eps) {
     const long offset = static_cast<long>(blockIdx.x) * hidden;
-    norm_row<VPT, ADD, true>(out + offset, ADD ? residual + offset : nullptr, x + offset, weight,
+    norm_row<VPT, ADD, true, ZC>(out + offset, ADD ? residual + offset : nullptr, x + offset, weight,
                              hidden / 8, threadIdx.x, blockDim.x, inv_hidden, eps);
 }
 
 }  // namespace
 
-// Entry points: rms_norm_{warp,block}{VPT}; add_rms_norm_{warp,block}{VPT}.
-// residual is unused (may be 0) by the plain variants.
-#define ROUNDHOUSE_WARP_KERNELS(VPT)                                                             \
-    extern "C" __global__ void rms_norm_warp##VPT(                                               \
+// Entry points: {,add_}rms_norm_{warp,block}{VPT} and the zero-centred
+// {,add_}zc_rms_norm_{warp,block}{VPT}. residual is unused (may be 0) by the
+// variants without the add.
+#define ROUNDHOUSE_NORM_KERNEL(NAME, LAYOUT, VPT, ADD, ZC, CALL)                                 \
+    extern "C" __global__ void NAME##_##LAYOUT##VPT(                                             \
         __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
         const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
-        warp_rows<VPT, false>(out, residual, x, weight, tokens, hidden, inv_hidden, eps);        \
-    }                                                                                            \
-    extern "C" __global__ void add_rms_norm_warp##VPT(                                           \
-        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
-        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
-        warp_rows<VPT, true>(out, residual, x, weight, tokens, hidden, inv_hidden, eps);         \
+        CALL;                                                                                    \
     }
 
+#define ROUNDHOUSE_WARP_KERNEL(NAME, VPT, ADD, ZC)                                               \
+    ROUNDHOUSE_NORM_KERNEL(NAME, warp, VPT, ADD, ZC,                                             \
+                           (warp_rows<VPT, ADD, ZC>(out, residual, x, weight, tokens, hidden,    \
+                                                    inv_hidden, eps)))
+#define ROUNDHOUSE_BLOCK_KERNEL(NAME, VPT, ADD, ZC)                                              \
+    ROUNDHOUSE_NORM_KERNEL(NAME, block, VPT, ADD, ZC,                                            \
+                           (block_rows<VPT, ADD, ZC>(out, residual, x, weight, hidden,           \
+                                                     inv_hidden, eps)))
+
+#define ROUNDHOUSE_WARP_KERNELS(VPT)                                                             \
+    ROUNDHOUSE_WARP_KERNEL(rms_norm, VPT, false, false)                                          \
+    ROUNDHOUSE_WARP_KERNEL(add_rms_norm, VPT, true, false)                                       \
+    ROUNDHOUSE_WARP_KERNEL(zc_rms_norm, VPT, false, true)                                        \
+    ROUNDHOUSE_WARP_KERNEL(add_zc_rms_norm, VPT, true, true)
+
 #define ROUNDHOUSE_BLOCK_KERNELS(VPT)                                                            \
-    extern "C" __global__ void rms_norm_block##VPT(                                              \
-        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
-        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
-        block_rows<VPT, false>(out, residual, x, weight, hidden, inv_hidden, eps);               \
-    }                                                                                            \
-    extern "C" __global__ void add_rms_norm_block##VPT(                                          \
-        __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
-        const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
-        block_rows<VPT, true>(out, residual, x, weight, hidden, inv_hidden, eps);                \
-    }
+    ROUNDHOUSE_BLOCK_KERNEL(rms_norm, VPT, false, false)                                         \
+    ROUNDHOUSE_BLOCK_KERNEL(add_rms_norm, VPT, true, false)                                      \
+    ROUNDHOUSE_BLOCK_KERNEL(zc_rms_norm, VPT, false, true)                                       \
+    ROUNDHOUSE_BLOCK_KERNEL(add_zc_rms_norm, VPT, true, true)
 
 // Warp rows: H <= 1024 (<= 128 vectors): VPT = ceil(H / 256).
 ROUNDHOUSE_WARP_KERNELS(1)

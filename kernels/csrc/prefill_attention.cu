@@ -15,8 +15,8 @@
 //
 // Keys. Key tiles of 32 or 64 cached tokens are gathered from the pages with
 // cp.async (16-byte chunks, zero-filled past the sequence) into a 3-stage
-// shared-memory ring, so the gather of tile j + 2 overlaps the math of tile j
-// and one __syncthreads per tile suffices. Row r of the block sees keys
+// shared-memory ring (2 at D = 256), so the gather of tile j + 2 (j + 1)
+// overlaps the math of tile j and one __syncthreads per tile suffices. Row r of the block sees keys
 // 0 .. (seq_len - q_len) + token(r) (causal, bottom-right aligned); the block
 // visits only the key tiles its last row can see, a warp skips the math of
 // tiles none of its rows can see, and the per-element mask runs only on the
@@ -491,7 +491,7 @@ __device__ __forceinline__ void prefill_attention(
 
 // grid: (row_tiles * Hkv, B), row_tiles = ceil(max_query_len * Hq / Hkv / 128);
 // block: Shape::kThreads; dynamic shared memory: (128 + stages * 2 * block_n)
-// * D * 2 bytes. out, q: [T, Hq, D]; k_cache, v_cache: [P, S, Hkv, D];
+// * D * 2 bytes (above 48 KB: the wrapper raises the kernel's limit). out, q: [T, Hq, D]; k_cache, v_cache: [P, S, Hkv, D];
 // query_start_loc: [B + 1]; seq_lens: [B]; block_tables: [B, max_pages];
 // page_shift = log2(S) (the engine's page sizes are powers of two);
 // scale_log2 = scale * log2(e).
@@ -519,7 +519,15 @@ __device__ __forceinline__ void prefill_attention(
 //   where w32 would leave each SM 4 warps. D = 128 keeps Q in registers at
 //   one block an SM; D = 64 re-reads Q to fit two blocks an SM in 128
 //   registers.
+// D = 256 (Qwen3-Next, Qwen3.5) has w16 only: O alone is 128 float registers
+//   a thread at 16 rows (w32's 32 rows would need 256). Q is re-read from
+//   shared memory (in registers it spills), and 64-key tiles in a 2-stage
+//   ring: (128 + 2 * 2 * 64) rows * 512 bytes = 192 KB of dynamic shared
+//   memory (Hopper allows 227 KB a block), 252 registers, one block of 8
+//   warps an SM. 32-key tiles in 3 stages (160 KB, 245 registers) also fit:
+//   the same 64 KB of K/V in flight, twice the barriers and softmax passes.
 PREFILL_ATTENTION_KERNEL(paged_prefill_attention_d128_w32, 2, Shape<128, 4, 2, 32, 3, false>)
 PREFILL_ATTENTION_KERNEL(paged_prefill_attention_d128_w16, 1, Shape<128, 8, 1, 64, 3, true>)
 PREFILL_ATTENTION_KERNEL(paged_prefill_attention_d64_w32, 2, Shape<64, 4, 2, 64, 3, false>)
 PREFILL_ATTENTION_KERNEL(paged_prefill_attention_d64_w16, 2, Shape<64, 8, 1, 64, 3, false>)
+PREFILL_ATTENTION_KERNEL(paged_prefill_attention_d256_w16, 1, Shape<256, 8, 1, 64, 2, false>)

@@ -12,8 +12,8 @@
 // its second half (x2), exactly the pairs that rotate_half combines, so the
 // rotation needs no data exchange. The norm's sum of squares is reduced with
 // shuffles inside the group. Groups run over (token, head) flattened, so a
-// 128-thread CTA covers 16 heads (D = 128) or 32 (D = 64) whatever Hq/Hkv
-// are; T = 1 in Qwen3-0.6B (32 heads) is 2 CTAs, T = 8192 is 16384 CTAs.
+// 128-thread CTA covers 8 heads (D = 256), 16 (D = 128) or 32 (D = 64)
+// whatever Hq/Hkv are; T = 1 in Qwen3-0.6B (32 heads) is 2 CTAs, T = 8192 is 16384 CTAs.
 //
 // Rounding follows kernels.reference.apply_rope/_rotate, torch's bf16
 // elementwise semantics: each product x * cos is a bf16 * bf16 product
@@ -109,7 +109,8 @@ __device__ __forceinline__ void rope_and_cache(
     const long long* __restrict__ slot_mapping, const __nv_bfloat16* __restrict__ q_norm_weight,
     const __nv_bfloat16* __restrict__ k_norm_weight, int tokens, int num_heads,
     int num_kv_heads, int max_positions, long long num_slots, float eps) {
-    constexpr int kGroup = D / 16;  // threads per head: 8 (D = 128) or 4 (D = 64)
+    constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (D = 128) or 4 (D = 64)
+    static_assert(kGroup <= 32, "a head's threads share one warp (the norm's shuffles)");
     constexpr int kHalf = D / 2;
     const int heads_per_token = num_heads + 2 * num_kv_heads;
     const int thread = blockIdx.x * blockDim.x + threadIdx.x;
@@ -200,3 +201,6 @@ __device__ __forceinline__ void rope_and_cache(
 
 ROUNDHOUSE_ROPE_KERNEL(64)
 ROUNDHOUSE_ROPE_KERNEL(128)
+// D = 256: Qwen3-Next's and Qwen3.5's full-attention layers (q/k arrive
+// rotated there; this kernel writes the cache with the identity rotation).
+ROUNDHOUSE_ROPE_KERNEL(256)

@@ -1,4 +1,5 @@
-"""A router over a --models-dir with two real models and a broken one."""
+"""A router over a --models-dir with two real models and a broken one, and the
+tiny Qwen3 served alone."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def router(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="package")
 def client(router: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="package")
+def tiny_qwen3_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`serve <tiny Qwen3> --threads 1`, shared by the modules that only send it
+    independent requests (strict tools, forced tools, the Responses API's JSON
+    schema): one start, where each module's own took 4 s on CI's two cores."""
+    log = tmp_path_factory.mktemp("tiny-qwen3-server") / "router.log"
+    with running_server([str(tiny_qwen3_dir), "--threads", "1"], log) as server:
+        yield server

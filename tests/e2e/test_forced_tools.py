@@ -5,13 +5,12 @@ same call written freely (its opener is in the prompt)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from router.text.model_text import ModelText
-from tests.support.server import Server, running_server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +22,8 @@ QUIET = {"chat_template_kwargs": {"enable_thinking": False}, "temperature": 0, "
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("forced-tools") / "router.log"
-    with running_server([str(tiny_qwen3_dir), "--threads", "1"], log) as running:
-        yield running
+def server(tiny_qwen3_server: Server) -> Server:
+    return tiny_qwen3_server  # tests/e2e/conftest.py: one server for the package
 
 
 def _free_tokens(text: ModelText, call: dict) -> int:

@@ -453,10 +453,8 @@ ANSWER_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def real_engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("responses-real") / "router.log"
-    with running_server([str(tiny_qwen3_dir), "--threads", "1"], log) as running:
-        yield running
+def real_engine(tiny_qwen3_server: Server) -> Server:
+    return tiny_qwen3_server  # tests/e2e/conftest.py: one server for the package
 
 
 def test_json_schema_output_on_the_real_engine(real_engine: Server) -> None:

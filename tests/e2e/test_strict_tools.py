@@ -11,13 +11,11 @@ compiling the grammar at all is checked too: a tag it refused would be a 400.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.server import Server, running_server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +28,8 @@ SAMPLING = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("strict-tools") / "router.log"
-    with running_server([str(tiny_qwen3_dir), "--threads", "1"], log) as running:
-        yield running
+def server(tiny_qwen3_server: Server) -> Server:
+    return tiny_qwen3_server  # tests/e2e/conftest.py: one server for the package
 
 
 def _chat(server: Server, strict: bool) -> dict[str, Any]:

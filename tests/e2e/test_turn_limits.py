@@ -28,10 +28,11 @@ WEATHER = [{"role": "user", "content": "What's the weather in Paris?"}]
 HUGE = [{"role": "user", "content": "hello " * 2100}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
-KEEPALIVE = 0.4
+# Keep-alives every 0.2 s: a first token held back 1 s is preceded by four.
+KEEPALIVE = 0.2
 SCRIPT = {**QWEN3_SCRIPT, "rules": [
     *QWEN3_SCRIPT["rules"],
-    {"when": "Think slowly", "reply": "Done.", "first_token_after": 2.0},
+    {"when": "Think slowly", "reply": "Done.", "first_token_after": 1.0},
 ]}
 
 
@@ -43,6 +44,19 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> It
     args = ["--models-dir", str(models), "--max-concurrency", "1", "--pending-timeout-ms", "1500"]
     env = {**ENGINE_ENV, "ROUNDHOUSE_SSE_KEEPALIVE": str(KEEPALIVE)}
     with running_server(args, tmp_path_factory.mktemp("limits-log") / "router.log", env=env) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def unpaced(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Iterator[Server]:
+    """The same model unpaced, for an answer run to the end of its 1,000-odd
+    tokens: paced, as on the module's server, that takes over 10 s."""
+    models = tmp_path_factory.mktemp("limits-unpaced") / "models"
+    models.mkdir()
+    scripted_model(models / MODEL, tiny_qwen3_dir, {**SCRIPT, "step_seconds": 0})
+    args = ["--models-dir", str(models), "--max-concurrency", "1"]
+    with running_server(args, tmp_path_factory.mktemp("limits-unpaced-log") / "router.log",
+                        env=ENGINE_ENV) as running:
         yield running
 
 
@@ -103,7 +117,7 @@ def test_an_over_long_prompt_is_refused_at_once_while_the_lane_is_busy(server: S
 # ---- 4. output limits ----------------------------------------------------------------------
 
 
-def test_a_limit_beyond_the_context_is_a_400_on_openai_routes(server: Server) -> None:
+def test_a_limit_beyond_the_context_is_a_400_on_openai_routes(server: Server, unpaced: Server) -> None:
     chat = server.post("/v1/chat/completions", json={"model": MODEL, "messages": LONG,
                                                      "max_tokens": 5000})
     assert chat.status_code == 400
@@ -122,8 +136,8 @@ def test_a_limit_beyond_the_context_is_a_400_on_openai_routes(server: Server) ->
                                                    "max_output_tokens": 5000})
     assert responses.status_code == 400 and responses.json()["error"]["param"] == "input"
     # -1 is "until the context is full".
-    completions = server.post("/v1/completions", json={"model": MODEL, "prompt": "Tell me a long story",
-                                                       "max_tokens": -1})
+    completions = unpaced.post("/v1/completions", json={"model": MODEL, "prompt": "Tell me a long story",
+                                                        "max_tokens": -1})
     assert completions.status_code == 200
     assert completions.json()["usage"]["completion_tokens"] > 1000
 

@@ -30,7 +30,7 @@ from tests.engine.test_disk_kv_tier import (
 )
 from tests.engine.test_host_kv_tier import PAGE, SMALL_POOL, greedy, page_hashes, prompt, run
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread", "small_host_tier")
+pytestmark = pytest.mark.usefixtures("small_host_tier")
 __all__ = ["small_host_tier"]  # the fixture, shared
 
 CONVERSATION = prompt(1)

@@ -34,8 +34,6 @@ from tests.engine.test_host_kv_tier import (
     run,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 HOST_SLOTS = 8
 
 

@@ -22,8 +22,6 @@ from tests.engine.in_process import SMALL_STEPS, run_to_completion
 from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
 from tests.support.tiny_models import QWEN_BOS, QWEN_EOS, QWEN_VOCAB
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def small_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -19,9 +19,6 @@ from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 
-# Two cores shared with other processes: one torch thread is faster and steadier.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 NEW_TOKENS = 20
 
 

@@ -28,8 +28,6 @@ from router.text.tokenizer import Tokenizer
 from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 TOKENIZER_VOCAB = 151669  # Qwen3's tokenizer; the model has 151,936 rows
 IM_END = 151645
 TOOL_CALL = 151657  # "<tool_call>", an ordinary (non-special) added token

@@ -25,8 +25,6 @@ from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS
 from tests.engine.test_speculation import run as run_requests
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SPEC = {"spec": "ngram", "draft_tokens": 4}
 VOCAB_SIZE = 49152  # SmolLM2's logits rows
 EOS = 2  # <|im_end|>, the router's end-of-sequence id and the grammars' stop token

@@ -31,8 +31,6 @@ from tests.engine.in_process import run_to_completion, step_outputs
 from tests.engine.test_loaders import assert_same_weights
 from tests.engine.test_moe_gguf import write_moe_gguf
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 CPU = torch.device("cpu")
 # The tiny Qwen3-MoE's sparse layers (decoder_sparse_step 2, mlp_only_layers [3]).
 SPARSE = (1, 5)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 import protocol as p
@@ -21,9 +20,6 @@ from engine.kv.host_tier import HostTier
 from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
-
-# Two cores shared with other processes: one torch thread is faster and steadier.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PAGE = 8
 # 16 device pages: one prompt and its output fit, three do not.

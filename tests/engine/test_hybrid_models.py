@@ -2,10 +2,10 @@
 
 Tiny random-weight models, float32 on the CPU, built and saved by
 transformers and loaded into our classes by their checkpoint names. A
-test-side runner stands in for the engine (which has no state slots yet):
-it pages the full-attention layers' KV cache from a shuffled free list and
-gives each sequence a state slot in the linear-attention layers' pools,
-which start out as noise, so a missed "fresh" flag shows.
+test-side runner drives the model directly (the engine's own scheduling is
+tested in test_hybrid_serving.py): it pages the full-attention layers' KV
+cache from a shuffled free list and gives each sequence a row of the
+recurrent state pools, which start out as noise, so a missed "fresh" flag shows.
 """
 
 from __future__ import annotations
@@ -19,14 +19,20 @@ import torch
 from safetensors import safe_open
 
 from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.recurrent_state import RecurrentStatePools
 from engine.models import model_class
 from engine.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.models.qwen3_next import HybridCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+from engine.models.qwen3_next import (
+    HybridCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 from engine.models.shared_expert_moe import SharedExpertMoE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FAMILIES = ["qwen3_next", "qwen3_5"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 VOCAB = 512
 PAGE_SIZE = 16
 PROMPT_LEN = 40
@@ -40,7 +46,8 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 _CLASSES: dict[str, type[HybridCausalLM]] = {
-    "qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
+    "qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM}
 
 
 def _hf_model(family: str) -> torch.nn.Module:
@@ -55,6 +62,18 @@ def _hf_model(family: str) -> torch.nn.Module:
             layer_types=[LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION],
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True)
+    elif family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeForCausalLM as HFModel,
+        )
+
+        # Every layer routed (top-2 of 4, always renormalised) + a shared expert.
+        # No intermediate_size: transformers' Qwen3.5-MoE config has none.
+        common = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
+        config = Qwen3_5MoeTextConfig(
+            **common, num_hidden_layers=4, full_attention_interval=2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     else:
         from transformers.models.qwen3_5 import Qwen3_5TextConfig
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM as HFModel
@@ -103,16 +122,14 @@ class HybridRunner:
         self.model = model
         cfg = model.config
         gen = torch.Generator().manual_seed(1)
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in range(cfg.num_layers):
-            if cfg.is_linear_attention(layer):
-                dims = cfg.linear_attention
-                assert dims is not None
-                self.caches.append((torch.randn(dims.conv_state_shape(num_slots), generator=gen),
-                                    torch.randn(dims.state_shape(num_slots), generator=gen)))
-            else:
-                shape = cfg.kv_cache_shape(num_pages, PAGE_SIZE)
-                self.caches.append((torch.zeros(shape), torch.zeros(shape)))
+        pools = RecurrentStatePools(cfg, lanes=num_slots, checkpoints=0,
+                                    device=torch.device("cpu"), dtype=torch.float32)
+        for pool in (*pools.conv, *pools.states):
+            pool.copy_(torch.randn(pool.shape, generator=gen))
+        self.pools = pools
+        shape = cfg.kv_cache_shape(num_pages, PAGE_SIZE)
+        self.caches = [(torch.zeros(shape), torch.zeros(shape))
+                       for _ in range(cfg.num_attention_layers)]
         self.free_pages = torch.randperm(num_pages, generator=gen).tolist()
         self.free_slots = list(range(num_slots))
         self.pages: dict[int, list[int]] = defaultdict(list)
@@ -155,6 +172,8 @@ class HybridRunner:
             state_slots=torch.tensor(state_slots, dtype=torch.int64),
             state_fresh=torch.tensor(fresh, dtype=torch.bool),
         )
+        # Several runners may share the model: each brings its own state.
+        self.model.attach_state(self.pools)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.caches)
             return self.model.compute_logits(hidden)
@@ -254,11 +273,9 @@ def test_built_layers_follow_the_config(pair) -> None:
         assert isinstance(layer.mlp, SharedExpertMoE) == sparse
 
 
-def test_hybrid_classes_are_not_served_yet() -> None:
-    """The engine keeps no state slots yet: the served table must not pick them up."""
-    for name in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
-        with pytest.raises(ValueError, match="not supported"):
-            model_class(name)
+def test_hybrid_classes_are_served() -> None:
+    for name, cls in _CLASSES.items():
+        assert model_class(cls.__name__) is cls, name
 
 
 def test_other_architectures_still_refuse_partial_rotary() -> None:

@@ -16,8 +16,6 @@ from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 from tests.engine.test_engine_exactness import prompts
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 NEW_TOKENS = 8
 
 

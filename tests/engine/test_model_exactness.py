@@ -19,9 +19,6 @@ from engine.execution.attention_metadata import AttentionMetadata
 from engine.loader import load_model
 from engine.models import CausalLM
 
-# Two cores shared with other processes: one torch thread is faster and steadier.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 PAGE_SIZE = 16
 CHUNK = 7
 NEW_TOKENS = 24

@@ -33,8 +33,6 @@ from tests.engine.test_loaders import (
     prefill_logits,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 

@@ -20,8 +20,6 @@ from engine.models.moe import SparseMoE
 from tests.engine.test_engine_exactness import greedy, hf_greedy, make_engine, prompts, run
 from tests.engine.test_model_exactness import LONG_TEXT, PagedRunner
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 MOE_ARCHITECTURES = ["qwen3_moe", "mixtral"]
 
 

@@ -18,8 +18,6 @@ from tests.engine.in_process import SMALL_STEPS, run_to_completion
 from tests.engine.test_engine_exactness import prompts
 from tests.engine.test_logprobs import collect, params, reference_logprobs
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def test_named_logprobs_equal_transformers_log_softmax(
         tiny_qwen3_dir: Path, qwen3_reference: torch.nn.Module) -> None:

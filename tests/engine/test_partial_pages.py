@@ -20,8 +20,6 @@ from engine.scheduling.scheduler import SchedulerOutput
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 PAGE = 16
 OPTIONS: dict[str, object] = {"page_size": PAGE, "max_batched_tokens": 32, "max_concurrency": 4,
                               "kv_capacity_tokens": 1024}

@@ -23,9 +23,6 @@ from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 from tests.engine.penalty_reference import CheckedSampler, HostPenaltySampler
 
-# Two cores shared with other processes: one torch thread is faster and steadier.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 VOCAB = 40
 # Every way the penalties read the tokens, and a plain row.
 KINDS: list[dict[str, object]] = [

@@ -20,8 +20,6 @@ from tests.engine.in_process import SMALL_STEPS, run_to_completion
 from tests.engine.test_engine_exactness import prompts
 from tests.engine.test_logprobs import collect, reference_logprobs
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 NEW_TOKENS = 8
 BIASED = 30  # a token id pushed up by the sampled rows' logit_bias
 

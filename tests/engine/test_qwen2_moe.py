@@ -35,8 +35,6 @@ from tests.engine.test_moe_gguf import natural_order
 from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
 from tests.support.tiny_models import _SMALL
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 CPU = torch.device("cpu")
 
 # llama.cpp's names for the shared expert, written out independently of the loader.

@@ -7,12 +7,8 @@ import queue
 import threading
 from pathlib import Path
 
-import pytest
-
 import protocol as p
 from tests.engine import in_process
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_shutdown_aborts_what_is_left_and_ends_the_loop(tiny_qwen3_dir: Path) -> None:

@@ -20,9 +20,6 @@ from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import run_to_completion, step_outputs
 
-# Two cores shared with other processes: one torch thread is faster and steadier.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 PAGE = 8
 
 

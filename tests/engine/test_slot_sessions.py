@@ -16,8 +16,6 @@ from tests.engine import in_process
 from tests.engine.in_process import step_outputs
 from tests.engine.test_host_kv_tier import SMALL_POOL, greedy, on_device, page_hashes, prompt
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 POOL = {**SMALL_POOL, "kv_capacity_tokens": 256}
 
 

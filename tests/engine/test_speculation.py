@@ -16,8 +16,6 @@ from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.in_process import SMALL_STEPS, run_to_completion
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SPEC = {"spec": "ngram", "draft_tokens": 4}
 
 # A prompt whose answer copies from it, so n-gram drafts get accepted.

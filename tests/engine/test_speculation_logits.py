@@ -38,8 +38,6 @@ from tests.engine.test_speculation import (
     greedy,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 CPU = torch.device("cpu")
 VOCAB = 40
 # CPU fp32: a verify chunk's logits differ from a decode step's by rounding

@@ -23,8 +23,6 @@ from router.text.grammar_vocab import grammar_vocab
 from router.text.model_text import ModelText
 from tests.engine.in_process import SMALL_STEPS, make_engine, run_to_completion, step_outputs
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 IM_END, ENDOFTEXT = 151645, 151643
 # What config.json claims ends a sequence: an ordinary token ("Hello").
 CONFIG_EOS = 9707

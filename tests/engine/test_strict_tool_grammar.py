@@ -132,7 +132,6 @@ def _follows_schema(arguments: str) -> bool:
             and len(value["city"]) <= 8 and type(value["days"]) is int and 1 <= value["days"] <= 7)
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("strict", [True, False])
 def test_the_tiny_model_calls_a_strict_tool_with_valid_arguments(
         tiny_qwen3_dir: Path, compiler, monkeypatch: pytest.MonkeyPatch, strict: bool) -> None:  # type: ignore[no-untyped-def]

@@ -146,6 +146,18 @@ CASES = [
     (256, 8, 2, 128, 16),
     (256, 2, 8, 64, 16),
     (256, 4, 4, 128, 64),
+    # Head dim 256 (Qwen3-Next, Qwen3.5: 16 q heads on 2 kv heads). Groups
+    # above 8 take two CTAs a split; 12 leaves the second one 4 heads.
+    (7, 2, 8, 256, 16),
+    (7, 2, 8, 256, 64),
+    (7, 4, 1, 256, 64),
+    (7, 2, 4, 256, 16),
+    (7, 1, 16, 256, 16),
+    (7, 2, 12, 256, 64),
+    (1, 2, 8, 256, 64),
+    (64, 2, 8, 256, 16),
+    (64, 2, 16, 256, 64),
+    (256, 2, 8, 256, 64),
 ]
 
 
@@ -179,9 +191,12 @@ def test_single_token_rows() -> None:
     assert_close(run_kernel(case, GRAPH_MAX_SEQ_LEN), ref)
 
 
-def test_long_context() -> None:
-    case = make_case([32768, 32001], 8, 4, 128, 16, seed=7)
-    ref = reference(case, 1.0 / math.sqrt(128))
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "page_size"),
+                         [(8, 4, 128, 16), (2, 8, 256, 16), (2, 8, 256, 64), (2, 16, 256, 64)])
+def test_long_context(num_kv_heads: int, group: int, head_dim: int, page_size: int) -> None:
+    # Many splits of many chunks each (and, at 32001, a ragged last chunk).
+    case = make_case([32768, 32001], num_kv_heads, group, head_dim, page_size, seed=7)
+    ref = reference(case, 1.0 / math.sqrt(head_dim))
     assert_close(run_kernel(case, 32768), ref)
     assert_close(run_kernel(case, GRAPH_MAX_SEQ_LEN), ref)
 
@@ -199,11 +214,13 @@ def test_smaller_batch_than_workspace_and_tables() -> None:
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(8, 2, 128), (2, 16, 256)])
 @pytest.mark.parametrize(("batch", "max_len"), [(8, 2000), (512, 300)])
-def test_cuda_graph_replay(batch: int, max_len: int) -> None:
+def test_cuda_graph_replay(batch: int, max_len: int, num_kv_heads: int, group: int,
+                           head_dim: int) -> None:
     """Capture once with static tensors; new q, lengths and page tables replay right.
     batch 8 runs split-K (two kernels), batch 512 a single kernel."""
-    num_kv_heads, group, head_dim, page_size = 8, 2, 128, 16
+    page_size = 16
     num_heads = num_kv_heads * group
     scale = 1.0 / math.sqrt(head_dim)
     gen = torch.Generator().manual_seed(9)

@@ -6,7 +6,7 @@ owns, block-table entries past a sequence's pages) holds NaN, poisons the
 output with NaN, and compares with the reference computed in float32 from the
 same bf16 values by ||out - ref|| / ||ref||. The wrapper picks one of two
 kernel shapes by grid size ("w32": 4 warps of 32 rows, "w16": 8 warps of 16
-rows); most cases force each in turn.
+rows); most cases force each in turn. Head dim 256 has the w16 shape only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2
 
 VARIANTS = ["w32", "w16"]
+# Head dim 256 (Qwen3-Next, Qwen3.5): forced w16 and the wrapper's own pick.
+VARIANTS_256 = ["w16", None]
 
 MIXED = [(1, 1), (17, 1), (33, 33), (40, 7), (16, 16), (5, 3), (64, 1), (23, 9),
          (300, 300), (1000, 129)]
@@ -147,6 +149,17 @@ def test_mixed_batch(heads: tuple[int, int], head_dim: int, page_size: int, vari
     check(Batch(pairs, *heads, head_dim, page_size, seed=seed), variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS_256)
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads", [(16, 2), (4, 4), (6, 2), (32, 2)], ids=_heads_id)
+def test_mixed_batch_head_dim_256(heads: tuple[int, int], page_size: int,
+                                  variant: str | None) -> None:
+    # 16q2kv: Qwen3-Next's and Qwen3.5's group of 8; 3 straddles warps.
+    pairs = [*MIXED[:5], (50, 0), *MIXED[5:]]
+    seed = 7 * heads[0] + heads[1] + 256 + page_size
+    check(Batch(pairs, *heads, 256, page_size, seed=seed), variant)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("heads", [(6, 2), (5, 1), (16, 1), (32, 8)], ids=_heads_id)
 def test_mixed_batch_other_groups(heads: tuple[int, int], variant: str) -> None:
@@ -167,10 +180,24 @@ def test_whole_prompt_head_dim_64(seq_len: int, variant: str) -> None:
     check(Batch([(seq_len, seq_len)], 16, 2, 64, 64, seed=seq_len), variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS_256)
+@pytest.mark.parametrize("seq_len", [17, 1024, 4096])
+def test_whole_prompt_head_dim_256(seq_len: int, variant: str | None) -> None:
+    check(Batch([(seq_len, seq_len)], 16, 2, 256, 16, seed=seq_len), variant)
+
+
 @pytest.mark.parametrize("variant", [*VARIANTS, None])
 @pytest.mark.parametrize("seq_len", [8192, 32768])
 def test_chunk_over_long_prefix(seq_len: int, variant: str | None) -> None:
     check(Batch([(seq_len, 512)], 32, 8, 128, 16, seed=3), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS_256)
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("seq_len", [8192, 32768])
+def test_chunk_over_long_prefix_head_dim_256(seq_len: int, page_size: int,
+                                             variant: str | None) -> None:
+    check(Batch([(seq_len, 512), (3000, 1)], 16, 2, 256, page_size, seed=3), variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -183,8 +210,8 @@ def test_decode_only_batch(variant: str) -> None:
     check(Batch([(700, 1), (1, 1), (129, 1), (64, 1), (65, 1)], 32, 8, 128, 16, seed=5), variant)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("head_dim", "variant"),
+                         [(64, "w32"), (64, "w16"), (128, "w32"), (128, "w16"), (256, "w16")])
 def test_sharp_softmax(head_dim: int, variant: str) -> None:
     # Large logits (std ~11 at D 128): the running max changes a lot between tiles.
     check(Batch([(2000, 700), (300, 300)], 8, 2, head_dim, 16, seed=6), variant, scale=1.0)
@@ -197,9 +224,9 @@ def test_loose_max_query_len(variant: str) -> None:
     check(batch, variant, max_query_len=sum(batch.q_lens))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_allocates_out_and_is_deterministic(variant: str) -> None:
-    batch = Batch(MIXED, 8, 2, 128, 16, seed=9)
+@pytest.mark.parametrize(("head_dim", "variant"), [(128, "w32"), (128, "w16"), (256, "w16")])
+def test_allocates_out_and_is_deterministic(head_dim: int, variant: str) -> None:
+    batch = Batch(MIXED, 8, 2, head_dim, 16, seed=9)
     first = batch.run(variant=variant)
     second = batch.run(variant=variant)
     torch.cuda.synchronize()
@@ -213,6 +240,13 @@ def test_variants_agree() -> None:
     w32 = batch.run(variant="w32").float()
     w16 = batch.run(variant="w16").float()
     assert ((w32 - w16).norm() / w16.norm()).item() < TOLERANCE
+
+
+def test_head_dim_256_has_no_w32_shape() -> None:
+    # 32 rows a warp would need 256 accumulator registers a thread for O alone.
+    batch = Batch([(40, 7), (16, 16)], 16, 2, 256, 16, seed=12)
+    with pytest.raises(ValueError, match="w32"):
+        batch.run(variant="w32")
 
 
 def test_empty_batch() -> None:

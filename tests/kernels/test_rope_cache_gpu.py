@@ -17,8 +17,8 @@ from kernels import reference
 
 pytestmark = pytest.mark.gpu
 
-HEAD_DIMS = [64, 128]
-HEADS = [(16, 8), (32, 8), (9, 3), (4, 4)]
+HEAD_DIMS = [64, 128, 256]  # 256: Qwen3-Next's and Qwen3.5's full attention
+HEADS = [(16, 8), (32, 8), (9, 3), (4, 4), (16, 2)]
 TOKENS = [1, 7, 256, 2048]
 MAX_POSITIONS = 40960
 PAGE_SIZE = 16
@@ -173,6 +173,28 @@ def test_allocates_q_out_when_not_given() -> None:
     q_out = case.run()
     assert q_out.shape == (5, 16, 128) and q_out.dtype == torch.bfloat16
     check(case, q_out, ref_q, ref_k_cache, ref_v_cache)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_identity_rotation_copies_q_and_k(head_dim: int) -> None:
+    # CudaOps's table for layers that rotate q/k themselves (Qwen3-Next's and
+    # Qwen3.5's GatedAttention, head dim 256): cos 1, sin 0, every position 0.
+    case = Case(64, 16, 2, head_dim, False, seed=18)
+    case.positions.zero_()
+    half = head_dim // 2
+    identity = torch.cat([torch.ones(half), torch.zeros(half)]).to(
+        device="cuda", dtype=torch.bfloat16).view(1, head_dim)
+    from kernels.rope_cache import rope_and_cache
+
+    q_out = rope_and_cache(case.qkv, case.positions, identity, case.k_cache, case.v_cache,
+                           case.slot_mapping, 16, 2, None, None, EPS)
+    torch.cuda.synchronize()
+    q, k, v = case.split()
+    valid = case.slot_mapping >= 0
+    slots = case.slot_mapping[valid]
+    assert torch.equal(q_out, q)
+    assert torch.equal(case.k_cache.view(-1, 2, head_dim)[slots], k[valid])
+    assert torch.equal(case.v_cache.view(-1, 2, head_dim)[slots], v[valid])
 
 
 def test_all_padding_rows_write_nothing() -> None:

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels import moe_reference  # noqa: E402
+from tests.perf import gpu_models  # noqa: E402
 from tests.perf.gpu_models import copy_bandwidth  # noqa: E402
 
 # Qwen3-30B-A3B: (experts, top_k, hidden, intermediate) of one layer.
@@ -106,26 +107,7 @@ def grouped_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
 
 def graph_time_us(calls: list[Callable[[], object]]) -> float:
     """Median device time of one call, from replays of a graph of all the calls."""
-    for call in calls:  # compile, warm caches and the allocator outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
+    return gpu_models.graph_time_us(calls, replays=REPLAYS, warm_replays=3)
 
 
 def eager_time_us(calls: list[Callable[[], object]], cuda: bool) -> float:

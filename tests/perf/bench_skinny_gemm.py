@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kernels.skinny_gemm import skinny_linear  # noqa: E402
+from tests.perf import gpu_models  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 ROWS = (1, 2, 4, 8)
@@ -54,25 +55,7 @@ BF16 = torch.bfloat16
 
 def graph_time_us(calls: list[Callable[[], object]]) -> float:
     """Median device time of one call, from replays of a graph of all the calls."""
-    for call in calls:  # compile, warm caches and the allocator outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
+    return gpu_models.graph_time_us(calls, replays=REPLAYS, warm_replays=1)
 
 
 def copy_bandwidth() -> float:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import reference  # noqa: E402
 from kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from kernels.rope_cache import rope_and_cache  # noqa: E402
+from tests.perf import gpu_models  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 TOKENS = (1, 256, 8192)
@@ -52,25 +53,7 @@ def input_sets(bytes_per_call: int) -> int:
 
 def graph_time_us(calls: list[Callable[[], object]]) -> float:
     """Median device time of one call, from replays of a graph of all the calls."""
-    for call in calls:  # compile, warm caches and the allocator outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
+    return gpu_models.graph_time_us(calls, replays=REPLAYS, warm_replays=1)
 
 
 def eager_time_us(call: Callable[[], object], iterations: int = 200) -> float:

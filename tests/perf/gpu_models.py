@@ -4,8 +4,10 @@ on the device (no checkpoint on disk), and engines around them."""
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,33 @@ def make_engine(loaded: LoadedModel, device: str = "cuda", dtype: str = "bfloat1
     core, _ = assemble_engine(loaded, marker, launch, lambda fraction, message: None,
                               events.append)
     return core, events
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 25,
+                  warm_replays: int = 1) -> float:
+    """Median device time of one call, from replays of a CUDA graph of all
+    the calls (the calls run once eagerly first: compiling, warming caches
+    and the allocator outside the capture)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(warm_replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / len(calls)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:

@@ -263,7 +263,10 @@ def serve(engine: ScriptedEngine, inbox: zmq.Socket, parent_pid: int) -> int:
         if parent_pid and os.getppid() != parent_pid:
             return 1
         step = engine.script.step_seconds
-        waited = step if engine.running else 0.5
+        # While requests run, only a look for commands: the sleep after the
+        # step is its pacing (waiting here as well made a step take twice
+        # step_seconds).
+        waited = 0 if engine.running else 0.5
         if poller.poll(int(waited * 1000)):
             while inbox.poll(0):
                 if not engine.handle(decode(inbox.recv())):

@@ -1,0 +1,274 @@
+// Qwen3-Next's and Qwen3.5's GatedAttention before the attention proper, in
+// one launch: zero-centred q/k RMSNorm per head, RoPE on the first R dims of
+// each head (partial rotary), the paged K/V cache write and q out, reading
+// the projection's interleaved output in place. Plus the output gate
+// (attention output times sigmoid(gate)), a second small kernel.
+//
+// projected: [T, W], W = 2 Hq D + 2 Hkv D; per token: for each q head h, D
+// values of q at h * 2D and D of its gate at h * 2D + D; then the Hkv k
+// heads (D each), then the Hkv v heads. For every (token, head):
+//   q head: q_out[t, h]                    = rope_R(zc_norm(q, q_norm_weight))
+//   k head: k_cache.view(-1, Hkv, D)[slot] = rope_R(zc_norm(k, k_norm_weight))  (slot >= 0)
+//   v head: v_cache.view(-1, Hkv, D)[slot] = v                                  (slot >= 0)
+// Numerics of kernels.hybrid_reference.gated_qk_norm_rope (torch's ops):
+//   zc_norm: bf16((x * rsqrtf(sum(x^2) * (1/D) + eps)) * (1 + w)), float32, one rounding
+//   rope_R:  on dims [0, R): out1 = bf16(bf16(x1 c) - bf16(x2 s)),
+//            out2 = bf16(bf16(x2 c) + bf16(x1 s)), x1 = dims [0, R/2), x2 = [R/2, R);
+//            dims [R, D) pass through.
+// Only the variance's summation order differs from torch.
+//
+// Work split (as rope_cache.cu): D / 16 consecutive threads own one head;
+// thread j holds 16-byte vector j of the head's first half (lo) and vector j
+// of its second half (hi). With R = D the rotation pairs are (lo, hi) of one
+// thread. With R <= D / 2 (R / 16 a power of two) the rotated dims are the
+// first R / 8 lo vectors: thread j < R / 16 holds an x1 vector whose x2 is
+// thread j + R / 16's lo, exchanged with one xor shuffle.
+#include <cuda_bf16.h>
+
+namespace {
+
+// 16-byte bf16 vectors, as in norm.cu and rope_cache.cu (each source file
+// carries its own copy: CuPy's compile cache is keyed on the source text).
+__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ float vec_get(const uint4& v, int i) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+    return __bfloat162float(h[i]);
+}
+
+__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
+    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
+    h[i] = x;
+}
+
+__device__ __forceinline__ float round_bf16(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ float vec_sum_squares(const uint4& v, float acc) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float x = vec_get(v, i);
+        acc = fmaf(x, x, acc);
+    }
+    return acc;
+}
+
+// bf16((x * scale) * (1 + w)), each float32 step rounded once (no FMA).
+__device__ __forceinline__ uint4 vec_normalize_zero_centred(const uint4& x, const uint4& weight,
+                                                            float scale) {
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float normalized = __fmul_rn(vec_get(x, i), scale);
+        const float factor = __fadd_rn(1.0f, vec_get(weight, i));
+        vec_set(out, i, __float2bfloat16_rn(__fmul_rn(normalized, factor)));
+    }
+    return out;
+}
+
+// The first half's output of rotate_half for 8 pairs: bf16(bf16(x1 c) - bf16(x2 s)).
+__device__ __forceinline__ uint4 rotate_first(const uint4& x1, const uint4& x2, const uint4& cos,
+                                              const uint4& sin, bool position_ok) {
+    const float nan = __int_as_float(0x7fc00000);
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        // An out-of-range position has no table row: NaN out, never a stray read.
+        const float c = position_ok ? vec_get(cos, i) : nan;
+        const float s = position_ok ? vec_get(sin, i) : nan;
+        const float r = __fsub_rn(round_bf16(__fmul_rn(vec_get(x1, i), c)),
+                                  round_bf16(__fmul_rn(vec_get(x2, i), s)));
+        vec_set(out, i, __float2bfloat16_rn(r));
+    }
+    return out;
+}
+
+// The second half's: bf16(bf16(x2 c) + bf16(x1 s)).
+__device__ __forceinline__ uint4 rotate_second(const uint4& x1, const uint4& x2, const uint4& cos,
+                                               const uint4& sin, bool position_ok) {
+    const float nan = __int_as_float(0x7fc00000);
+    uint4 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float c = position_ok ? vec_get(cos, i) : nan;
+        const float s = position_ok ? vec_get(sin, i) : nan;
+        const float r = __fadd_rn(round_bf16(__fmul_rn(vec_get(x2, i), c)),
+                                  round_bf16(__fmul_rn(vec_get(x1, i), s)));
+        vec_set(out, i, __float2bfloat16_rn(r));
+    }
+    return out;
+}
+
+__device__ __forceinline__ uint4 shfl_xor_vec(unsigned mask, const uint4& v, int offset) {
+    return make_uint4(__shfl_xor_sync(mask, v.x, offset), __shfl_xor_sync(mask, v.y, offset),
+                      __shfl_xor_sync(mask, v.z, offset), __shfl_xor_sync(mask, v.w, offset));
+}
+
+template <int D>
+__device__ __forceinline__ void gated_rope_and_cache(
+    __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
+    __nv_bfloat16* __restrict__ v_cache, const __nv_bfloat16* __restrict__ projected,
+    const long long* __restrict__ positions, const __nv_bfloat16* __restrict__ cos_sin_cache,
+    const long long* __restrict__ slot_mapping, const __nv_bfloat16* __restrict__ q_norm_weight,
+    const __nv_bfloat16* __restrict__ k_norm_weight, int tokens, int num_heads,
+    int num_kv_heads, int rotary_dim, int max_positions, long long num_slots, float eps) {
+    constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (128) or 4 (64)
+    static_assert(kGroup <= 32, "a head's threads share one warp (the shuffles)");
+    constexpr int kHalf = D / 2;
+    const int heads_per_token = num_heads + 2 * num_kv_heads;
+    const int thread = blockIdx.x * blockDim.x + threadIdx.x;
+    const int group = thread / kGroup;
+    const int j = thread % kGroup;
+    // Groups are aligned runs of kGroup lanes: a group leaves (or stays) whole,
+    // so its shuffles below only involve lanes that are all present.
+    if (group >= tokens * heads_per_token) return;
+    const int token = group / heads_per_token;
+    const int head = group - token * heads_per_token;
+
+    // The head's place in the projection row: q heads every 2D (gate between).
+    const long long row_width = 2LL * (num_heads + num_kv_heads) * D;
+    long long column;
+    if (head < num_heads) {
+        column = 2LL * head * D;
+    } else {
+        column = 2LL * num_heads * D + static_cast<long long>(head - num_heads) * D;
+    }
+    const __nv_bfloat16* src = projected + token * row_width + column + j * 8;
+    uint4 lo = load_vec(src);
+    uint4 hi = load_vec(src + kHalf);
+    const bool is_q = head < num_heads;
+    long long slot = -1;
+    if (!is_q) {
+        slot = slot_mapping[token];
+        // < 0: a padding row of a graph batch, not cached; past the cache's
+        // end (not checkable without a sync): skipped, never a stray write.
+        if (slot >= num_slots) slot = -1;
+    }
+
+    if (head >= num_heads + num_kv_heads) {  // v: a straight copy
+        if (slot >= 0) {
+            __nv_bfloat16* dst = v_cache +
+                                 (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
+                                 j * 8;
+            store_vec(dst, lo);
+            store_vec(dst + kHalf, hi);
+        }
+        return;
+    }
+
+    const long long position = positions[token];
+    const bool position_ok = position >= 0 && position < max_positions;
+    const int rotary_half = rotary_dim / 2;
+    // Table row: cos of the R/2 frequencies, then their sin. Thread j's pair
+    // index: j (full rotary) or j mod R/16 (partial).
+    const int pair_vector = rotary_dim == D ? j : (j & (rotary_dim / 16 - 1));
+    const __nv_bfloat16* table =
+        cos_sin_cache + (position_ok ? position : 0LL) * rotary_dim + pair_vector * 8;
+    const uint4 cos = load_vec(table);
+    const uint4 sin = load_vec(table + rotary_half);
+
+    const __nv_bfloat16* weight = is_q ? q_norm_weight : k_norm_weight;
+    const uint4 w_lo = load_vec(weight + j * 8);
+    const uint4 w_hi = load_vec(weight + kHalf + j * 8);
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned mask = kGroup == 32 ? 0xffffffffu
+                                       : ((1u << kGroup) - 1u)
+                                             << (lane & ~static_cast<unsigned>(kGroup - 1));
+    float sum = vec_sum_squares(hi, vec_sum_squares(lo, 0.0f));
+#pragma unroll
+    for (int offset = kGroup / 2; offset > 0; offset >>= 1) {
+        sum += __shfl_xor_sync(mask, sum, offset);
+    }
+    // D is a power of two: 1/D is exact, the factor torch's mean multiplies by.
+    const float scale = rsqrtf(__fadd_rn(__fmul_rn(sum, 1.0f / D), eps));
+    lo = vec_normalize_zero_centred(lo, w_lo, scale);
+    hi = vec_normalize_zero_centred(hi, w_hi, scale);
+
+    if (rotary_dim == D) {
+        const uint4 first = rotate_first(lo, hi, cos, sin, position_ok);
+        hi = rotate_second(lo, hi, cos, sin, position_ok);
+        lo = first;
+    } else {
+        // Every lane of the group shuffles (the mask names them all).
+        const int partner_offset = rotary_dim / 16;
+        const uint4 partner = shfl_xor_vec(mask, lo, partner_offset);
+        if (j < partner_offset) {
+            lo = rotate_first(lo, partner, cos, sin, position_ok);
+        } else if (j < 2 * partner_offset) {
+            lo = rotate_second(partner, lo, cos, sin, position_ok);
+        }
+    }
+
+    __nv_bfloat16* dst;
+    if (is_q) {
+        dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
+    } else {
+        if (slot < 0) return;
+        dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+    }
+    store_vec(dst, lo);
+    store_vec(dst + kHalf, hi);
+}
+
+// torch's CUDA sigmoid: 1 / (1 + exp(-x)) in float32, rounded to bf16.
+__device__ __forceinline__ float sigmoid_bf16(float x) {
+    return round_bf16(__fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))));
+}
+
+}  // namespace
+
+// grid: ceil(T * (Hq + 2 Hkv) * D / 16 / blockDim.x), blockDim.x a multiple of 32.
+// rotary_dim: D, or R <= D / 2 with R / 16 a power of two. num_slots = P * S.
+#define ROUNDHOUSE_GATED_ROPE_KERNEL(D)                                                         \
+    extern "C" __global__ void gated_rope_and_cache_d##D(                                       \
+        __nv_bfloat16* q_out, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,                   \
+        const __nv_bfloat16* projected, const long long* positions,                             \
+        const __nv_bfloat16* cos_sin_cache, const long long* slot_mapping,                      \
+        const __nv_bfloat16* q_norm_weight, const __nv_bfloat16* k_norm_weight, int tokens,     \
+        int num_heads, int num_kv_heads, int rotary_dim, int max_positions,                     \
+        long long num_slots, float eps) {                                                       \
+        gated_rope_and_cache<D>(q_out, k_cache, v_cache, projected, positions, cos_sin_cache,   \
+                                slot_mapping, q_norm_weight, k_norm_weight, tokens, num_heads,  \
+                                num_kv_heads, rotary_dim, max_positions, num_slots, eps);       \
+    }
+
+ROUNDHOUSE_GATED_ROPE_KERNEL(64)
+ROUNDHOUSE_GATED_ROPE_KERNEL(128)
+// D = 256: Qwen3-Next's and Qwen3.5's full-attention layers (R = 64).
+ROUNDHOUSE_GATED_ROPE_KERNEL(256)
+
+// The output gate: out[t, h, :] = bf16(attn[t, h, :] * bf16(sigmoid(gate[t, h, :]))),
+// as torch's bf16 ops (sigmoid rounded to bf16, then the bf16 product). attn,
+// out: [T, Hq * D] contiguous (out may be attn); the gate is read from the
+// projection row (row_width elements a token, head h's at h * 2D + D).
+// One thread per 8 elements; grid: ceil(T * Hq * D / 8 / blockDim.x).
+extern "C" __global__ void sigmoid_gate_mul(__nv_bfloat16* out, const __nv_bfloat16* attn,
+                                            const __nv_bfloat16* __restrict__ projected,
+                                            int tokens, int num_heads, int head_dim,
+                                            long long row_width) {
+    const long long vector = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int vectors_per_head = head_dim / 8;
+    const long long vectors_per_token = static_cast<long long>(num_heads) * vectors_per_head;
+    if (vector >= tokens * vectors_per_token) return;
+    const long long token = vector / vectors_per_token;
+    const int within = static_cast<int>(vector - token * vectors_per_token);
+    const int head = within / vectors_per_head;
+    const int j = within - head * vectors_per_head;
+    const uint4 a = load_vec(attn + vector * 8);
+    const uint4 g = load_vec(projected + token * row_width +
+                             (2LL * head + 1) * head_dim + j * 8);
+    uint4 result;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        vec_set(result, i,
+                __float2bfloat16_rn(__fmul_rn(vec_get(a, i), sigmoid_bf16(vec_get(g, i)))));
+    }
+    store_vec(out + vector * 8, result);
+}
