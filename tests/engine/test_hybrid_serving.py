@@ -11,6 +11,7 @@ resume from a recurrent-state checkpoint (engine/kv/state_checkpoints.py).
 from __future__ import annotations
 
 import shutil
+from array import array
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,44 @@ def test_checkpoints_survive_sleep_and_wake(served, weights: str) -> None:
         assert torch.equal(now, saved)
     again = run_all(core, events, {"again": (tokens, greedy())})["again"]
     assert again.cached == len(tokens) - 1 and again.tokens == first.tokens == hf_greedy(hf, tokens)
+
+
+def test_prompt_scores_and_token_logprobs_equal_transformers(served) -> None:
+    """Scoring needs every prompt position's logits: no checkpoint resume,
+    no early stop of the prefill; chunked over several steps all the same."""
+    directory, hf = served
+    core, events = make_engine(directory)
+    tokens = prompt(100, 60)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    score = p.SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=2)
+    for rid in ("s1", "s2"):  # the second finds the prompt's pages cached, and scores anew
+        outputs = step_outputs(run_to_completion(core, events, {rid: (tokens, score)}))
+        entries = [entry for o in outputs for entry in o.prompt_logprobs]
+        assert len(entries) == len(tokens) - 1 and outputs[-1].num_cached_tokens == 0
+        for position, entry in enumerate(entries):
+            row = expected[position]
+            assert abs(entry.logprob - float(row[tokens[position + 1]])) < 1e-4
+            assert entry.top_logprobs == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    sampled = p.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
+    outputs = step_outputs(run_to_completion(core, events, {"g": (tokens, sampled)}))
+    got = [(t, lp.logprob) for o in outputs for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
+    assert got[0][0] == int(expected[-1].argmax())
+    assert abs(got[0][1] - float(expected[-1].max())) < 1e-4
+    core.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_pool_the_hybrid_models_hidden_states(served, pooling: str) -> None:
+    directory, hf = served
+    core, events = make_engine(directory)
+    tokens = prompt(110, 70)  # two 40-token steps
+    params = p.SamplingParams(max_tokens=0, pooling=pooling, embd_normalize=-1)  # type: ignore[arg-type]
+    outputs = step_outputs(run_to_completion(core, events, {"e": (tokens, params)}))
+    (packed,) = [o.embedding for o in outputs if o.embedding]
+    vector = array("f", packed).tolist()  # float32 bytes
+    with torch.inference_mode():
+        hidden = hf.model(torch.tensor([tokens])).last_hidden_state[0].float()
+    expected = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
+    assert torch.allclose(torch.tensor(vector), expected, atol=1e-4, rtol=1e-4)

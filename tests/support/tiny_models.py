@@ -63,12 +63,27 @@ def _config(arch: str):
         return transformers.MixtralConfig(
             **{**_SMALL, "intermediate_size": 32}, rope_theta=1_000_000.0,
             tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)
+    if arch in ("qwen3_5", "qwen3_next"):
+        # Hybrids: Gated DeltaNet layers with every second layer gated attention.
+        hybrid = dict(**{**_SMALL, "num_hidden_layers": 4}, head_dim=16,
+                      tie_word_embeddings=False, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                      full_attention_interval=2)
+        if arch == "qwen3_next":
+            return transformers.Qwen3NextConfig(
+                **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48)
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**hybrid)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
 def build_tiny_model(arch: str, target: Path, seed: int = 0) -> Path:
     """Write a random-weight model of `arch` ("qwen3", "qwen2", "llama", "qwen3_moe",
-    "qwen3_moe_all_sparse", "mixtral") into target."""
+    "qwen3_moe_all_sparse", "mixtral", the hybrids "qwen3_5" and "qwen3_next")
+    into target."""
     import torch
     import transformers
 
