@@ -340,10 +340,15 @@ class Scheduler:
 
     def _may_verify_next(self) -> bool:
         """Whether the next step may verify drafts: no prompt chunk will run
-        beside them and its decode rows leave room under max_verify_rows."""
+        beside them (none prefilling, none waiting for a free lane) and its
+        decode rows leave room under max_verify_rows."""
         if not self.max_verify_rows:
             return True
-        return (len(self.running) < self.max_verify_rows
+        # A request admitted in the same step would run its prompt chunk
+        # beside the drafts, within the verify step's budget (a few tokens
+        # where it would have had the whole step's): admission goes first.
+        admits = bool(self.waiting) and len(self.running) < self.max_concurrency
+        return (len(self.running) < self.max_verify_rows and not admits
                 and not any(seq.is_prefilling for seq in self.running))
 
     def _draft_limit(self, seq: Sequence) -> int:

@@ -34,13 +34,13 @@ _COMMON = dict(
 )
 
 
-def _build(family: str, target: Path, experts: int = 8) -> Path:
+def _build(family: str, target: Path) -> Path:
     torch.manual_seed(0)
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
         from transformers import Qwen3NextForCausalLM as HFModel
 
-        config = Qwen3NextConfig(**_COMMON, num_hidden_layers=4, num_experts=experts,
+        config = Qwen3NextConfig(**_COMMON, num_hidden_layers=4, num_experts=8,
                                  num_experts_per_tok=2, moe_intermediate_size=128,
                                  shared_expert_intermediate_size=256)
     else:
@@ -68,12 +68,6 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     directory = _build(request.param, tmp_path_factory.mktemp(request.param))
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return directory, hf.to("cuda").eval()
-
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
-def spec_served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-Next with 64 experts: see the speculation test."""
-    return _build(request.param, tmp_path_factory.mktemp(f"spec-{request.param}"), experts=64)
 
 
 def _engine(directory: Path, cuda_graph: bool = True) -> tuple[EngineCore, list[p.EngineEvent]]:
@@ -150,7 +144,7 @@ def test_a_resumed_prompt_gives_its_first_runs_tokens_and_a_next_turn_resumes(se
     _assert_first_tokens_among_best(hf, second, turn2)
 
 
-def test_speculative_decoding_gives_plain_decodings_tokens_bit_for_bit(spec_served: Path) -> None:
+def test_speculative_decoding_gives_plain_decodings_tokens_bit_for_bit(served) -> None:
     """Verify steps replay the decode graphs (every token an attention row,
     each sequence's tokens together for the recurrent kernels); drafts cut
     short restore the lane's state and compute the kept tokens again. The
@@ -158,19 +152,14 @@ def test_speculative_decoding_gives_plain_decodings_tokens_bit_for_bit(spec_serv
     the output is plain decoding's exactly."""
     from tests.engine.test_hybrid_serving import OracleDrafter
 
-    directory = spec_served
+    directory, _ = served
     prompts = {"a": _prompt(9, 60), "b": _prompt(10, 17)}
     plain, events = _engine(directory)
     want = _run(plain, events, prompts, count=30)
     del plain
-    # NOTE: Qwen3-Next is built with 64 experts here. With 8 (the other
-    # tests' model) drafted output left plain decoding's at token 6 of 30 on
-    # the H200 (2026-12-02), 2 or 3 draft tokens alike, while the float32 CPU
-    # run agrees (tests/engine/test_hybrid_serving.py): some MoE kernel whose
-    # rounding depends on the step's rows is suspected, not yet found.
     core, events = in_process.make_engine(
         directory, device="cuda", dtype="bfloat16", page_size=16, max_concurrency=4,
-        max_batched_tokens=96, kv_capacity_tokens=8192, spec="ngram", draft_tokens=2)
+        max_batched_tokens=96, kv_capacity_tokens=8192, spec="ngram", draft_tokens=3)
     core.scheduler.drafter = OracleDrafter([prompts[rid] + want[rid][0] for rid in prompts])
     got = _run(core, events, prompts, count=30)
     for rid in prompts:

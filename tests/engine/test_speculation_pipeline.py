@@ -112,6 +112,25 @@ def test_a_verify_step_beside_a_new_prompt_completes_before_the_next_step() -> N
     assert core.scheduler.kv.pool.num_used == 0
 
 
+def test_a_prompt_admitted_while_rows_could_draft_gets_the_whole_step_budget() -> None:
+    """The verify budget (max_verify_rows) is for drafts: a prompt arriving
+    while running rows could draft is admitted first, with its full chunk,
+    and prefilled as it would be without speculation (a cut chunk computes
+    other numbers, and plain and drafted output would part)."""
+    core, _, _ = make_core(OracleDrafter(2, error=0.3, full=True), budget=24,
+                           max_verify_rows=8)
+    core.handle(generate("first", [1, 2, 3], 30))
+    for _ in range(3):
+        core.step()  # "first" decodes, with drafts
+    scheduler = core.scheduler
+    assert not scheduler.waiting and scheduler.wants_drafts()
+    core.handle(generate("later", list(range(10, 50)), 5))
+    assert not scheduler.wants_drafts()  # admission first
+    out = scheduler.schedule()
+    chunks = {chunk.seq.request_id: chunk for chunk in out.chunks}
+    assert chunks["later"].num_tokens == 24 - 1 and not chunks["first"].draft
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_drafts_under_preemption_and_page_pressure(seed: int) -> None:
     rng = random.Random(100 + seed)
