@@ -216,6 +216,10 @@ def _hf_hybrid_shape(config: dict[str, Any]) -> dict[str, Any]:
     ({} for any other model)."""
     if "linear_num_value_heads" not in config:
         return {}
+    return _hybrid_state(config)
+
+
+def _hybrid_state(config: dict[str, Any]) -> dict[str, Any]:
     layers = int(config["num_hidden_layers"])
     interval = int(config.get("full_attention_interval") or 4)
     types = config.get("layer_types") or [
@@ -320,11 +324,17 @@ def _gguf_shape(path: Path) -> ModelShape:
         elements = 0
         experts: dict[int, int] = {}
         embedding_rows = 0
+        # A hybrid's MTP blocks (llama.cpp appends them after the model's
+        # own) are skipped by the engine's loader: neither counted here.
+        first_mtp = _first_mtp_block(meta)
         for _ in range(tensors):
             name = reader.string()
             dims = [reader.scalar("Q") for _ in range(reader.scalar("I"))]
             reader.scalar("I")  # the stored type: the engine dequantizes it anyway
             reader.scalar("Q")  # the data offset
+            block = _GGUF_BLOCK.match(name)
+            if block is not None and int(block.group(1)) >= first_mtp:
+                continue
             elements += math.prod(dims)
             _count_expert(_GGUF_EXPERT, name, math.prod(dims), experts)
             if name == "token_embd.weight" and len(dims) == 2:
@@ -339,8 +349,9 @@ def _gguf_shape(path: Path) -> ModelShape:
 
     heads = int(arch_value("attention.head_count"))
     hidden = int(arch_value("embedding_length"))
+    layers = min(int(arch_value("block_count")), first_mtp)
     return ModelShape(
-        layers=int(arch_value("block_count")),
+        layers=layers,
         heads=heads,
         kv_heads=int(arch_value("attention.head_count_kv", heads)),
         head_dim=int(arch_value("attention.key_length", hidden // heads)),
@@ -350,4 +361,34 @@ def _gguf_shape(path: Path) -> ModelShape:
         trained_context=int(arch_value("context_length", 2048)),
         weight_elements=elements,
         expert_elements=tuple(sorted(experts.items())),
+        **_gguf_hybrid_shape(meta, arch, layers),
     )
+
+
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def _first_mtp_block(meta: dict[str, Any]) -> int:
+    """The first block of a hybrid GGUF's MTP head (none: past every block)."""
+    arch = meta.get("general.architecture", "")
+    blocks = int(meta.get(f"{arch}.block_count", 0))
+    return blocks - int(meta.get(f"{arch}.nextn_predict_layers", 0)) if blocks else 1 << 30
+
+
+def _gguf_hybrid_shape(meta: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """_hf_hybrid_shape from llama.cpp's keys (the ones
+    engine/models/qwen3_next.py's gguf_hybrid reads); {} for other models."""
+    if f"{arch}.ssm.time_step_rank" not in meta:
+        return {}
+    interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+    value_heads = int(meta[f"{arch}.ssm.time_step_rank"])
+    return _hybrid_state({
+        "num_hidden_layers": layers,
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                        for i in range(layers)],
+        "linear_num_key_heads": meta[f"{arch}.ssm.group_count"],
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": meta[f"{arch}.ssm.state_size"],
+        "linear_value_head_dim": int(meta[f"{arch}.ssm.inner_size"]) // value_heads,
+        "linear_conv_kernel_dim": meta[f"{arch}.ssm.conv_kernel"],
+    })

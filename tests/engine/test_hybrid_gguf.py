@@ -332,3 +332,26 @@ def test_a_linear_attention_layer_without_its_gate_is_refused(tmp_path: Path) ->
                                 drop=("blk.2.attn_gate.weight",))
     with pytest.raises(ValueError, match=r"blk\.2\.attn_qkv"):
         load_model(path, CPU, torch.float32)
+
+
+def test_the_routers_estimate_reads_the_hybrid_gguf_as_the_engine_loads_it(
+        family: str, converted) -> None:
+    """router/footprint.py plans a hybrid GGUF's KV as the engine allocates
+    it (full-attention layers' pages plus a state row per lane and per
+    checkpoint), and leaves out MTP blocks, which the loader skips."""
+    from protocol import EngineOptions
+    from router.footprint import estimate_footprint, read_shape
+    from tests.engine import in_process
+
+    hf_dir, gguf_path, _ = converted
+    options = EngineOptions(max_concurrency=2, max_context=128, ctx_checkpoints=1)
+    estimate = estimate_footprint(read_shape(gguf_path, "gguf"), options, cuda=False)
+    core, _ = in_process.make_engine(gguf_path, max_concurrency=2, max_context=128,
+                                     ctx_checkpoints=1)
+    pools = core.runner.state_pools
+    assert pools is not None
+    kv_pages = sum(t.numel() * t.element_size() for pair in core.runner.kv_caches for t in pair)
+    assert estimate.kv_bytes == kv_pages + pools.nbytes
+    with_mtp = convert_to_llama_cpp(hf_dir, hf_dir / "estimate-mtp.gguf", _FAMILIES[family][0],
+                                    mtp_blocks=1)
+    assert estimate_footprint(read_shape(with_mtp, "gguf"), options, cuda=False) == estimate
