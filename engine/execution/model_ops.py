@@ -281,6 +281,13 @@ class CudaOps(ReferenceOps):
             config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
             config.rms_norm_eps,
         )
+        return self._paged_attention(config, q, kv_cache, meta)
+
+    def _paged_attention(self, config: ModelConfig, q: torch.Tensor, kv_cache: KVCache,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], its K/V in the cache already -> [T, q_size]: the
+        split-K decode kernel for decode rows, the prefill kernel otherwise."""
+        k_cache, v_cache = kv_cache
         scale = config.head_dim**-0.5
         if meta.max_query_len == 1:
             out = paged_decode_attention(
@@ -292,7 +299,7 @@ class CudaOps(ReferenceOps):
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, meta.max_query_len,
             )
-        return out.view(qkv.shape[0], config.q_size)
+        return out.view(q.shape[0], config.q_size)
 
     def gated_attention(
         self,
@@ -318,19 +325,7 @@ class CudaOps(ReferenceOps):
             config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
             config.rms_norm_eps,
         )
-        # NOTE: as attention() from here on (the same two kernels).
-        scale = config.head_dim**-0.5
-        if meta.max_query_len == 1:
-            out = paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                meta.max_seq_len, self.workspace,
-            )
-        else:
-            out = paged_prefill_attention(
-                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, meta.max_query_len,
-            )
-        out = out.view(projected.shape[0], config.q_size)
+        out = self._paged_attention(config, q, kv_cache, meta)
         # The attention kernels allocated out: gated in place.
         return sigmoid_gate_mul(out, projected, config.num_heads, out=out)
 
