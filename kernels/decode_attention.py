@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.kv_cache_dtype import check_kv_caches, reader_scales
 
 _SOURCE = "decode_attention.cu"
 _THREADS = 128
@@ -146,6 +147,9 @@ def paged_decode_attention(
     max_seq_len: int,
     workspace: DecodeWorkspace,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
@@ -157,11 +161,14 @@ def paged_decode_attention(
     Only the first B rows of block_tables and seq_lens are used. Returns (or
     fills) bf16 [B, Hq, D]. Allocates nothing when out is given and launches a
     grid fixed by B, Hkv and max_seq_len, so it can be captured in a CUDA graph.
+    The caches may both be float8_e4m3fn (an fp8 cache): K and V are read as
+    their values times k_scale and v_scale, rounded to bf16 (exact for a
+    power-of-two scale), then as from a bf16 cache.
     """
     check_cuda_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     device = q.device
-    check_cuda_tensor("k_cache", k_cache, dtype=torch.bfloat16, ndim=4, device=device)
-    check_cuda_tensor("v_cache", v_cache, dtype=torch.bfloat16, ndim=4, device=device)
+    fp8 = check_kv_caches(k_cache, v_cache, device)
+    scales = reader_scales(fp8, k_scale, v_scale)
     check_cuda_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=device)
     check_cuda_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=device)
     batch, num_heads, head_dim = q.shape
@@ -235,7 +242,7 @@ def paged_decode_attention(
             f"workspace holds {workspace.capacity} partials, this call needs "
             f"{batch * num_heads * splits}"
         )
-    name = f"paged_decode_d{head_dim}_g{8 if group <= 8 else 16}"
+    name = f"paged_decode_d{head_dim}_g{8 if group <= 8 else 16}{'_fp8' if fp8 else ''}"
     kernel = load_kernel(_SOURCE, name, index)
     launch(
         kernel,
@@ -246,7 +253,7 @@ def paged_decode_attention(
             ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(seq_lens),
             np.float32(scale * _LOG2E), np.int32(num_kv_heads), np.int32(group),
             np.int32(page_size.bit_length() - 1), np.int32(block_tables.shape[1]),
-            np.int32(splits),
+            np.int32(splits), *scales,
         ),
         device,
     )

@@ -26,6 +26,7 @@ from kernels.cuda_build import (
     ptr,
     set_max_dynamic_shared,
 )
+from kernels.kv_cache_dtype import check_kv_caches, reader_scales
 
 _SOURCE = "prefill_attention.cu"
 _BLOCK_M = 128  # packed (token, query head) rows per block (kBlockM)
@@ -75,6 +76,9 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens over the paged cache.
 
@@ -88,9 +92,12 @@ def paged_prefill_attention(
     already written; block_tables: int32 [B, max_pages]; max_query_len: a host
     int no smaller than any sequence's q_len (it sizes the grid: nothing is
     read back from the device). Returns (or fills) bf16 [T, Hq, D].
+    The caches may both be float8_e4m3fn (an fp8 cache): tiles are widened
+    to bf16 (values times k_scale, v_scale) on their way into shared memory.
     """
     return _prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                              scale, max_query_len, out, variant=None)
+                              scale, max_query_len, out, variant=None, k_scale=k_scale,
+                              v_scale=v_scale)
 
 
 def _prefill_attention(
@@ -104,14 +111,16 @@ def _prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None,
     variant: str | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """paged_prefill_attention with the kernel shape ("w32" or "w16") forced
     when variant is given (tests cover both), else picked by grid size (and
     head dim: 256 has w16 only)."""
     check_cuda_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     device = q.device
-    check_cuda_tensor("k_cache", k_cache, dtype=torch.bfloat16, ndim=4, device=device)
-    check_cuda_tensor("v_cache", v_cache, dtype=torch.bfloat16, ndim=4, device=device)
+    fp8 = check_kv_caches(k_cache, v_cache, device)
+    scales = reader_scales(fp8, k_scale, v_scale)
     check_cuda_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1,
                       device=device)
     check_cuda_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=device)
@@ -197,7 +206,9 @@ def _prefill_attention(
     if shape is None:
         raise ValueError(f"no {variant!r} prefill kernel for head dim {head_dim}")
 
-    kernel = load_kernel(_SOURCE, f"paged_prefill_attention_d{head_dim}_{variant}", device_index)
+    suffix = "_fp8" if fp8 else ""
+    kernel = load_kernel(_SOURCE, f"paged_prefill_attention_d{head_dim}_{variant}{suffix}",
+                         device_index)
     shared = shape.shared_bytes(head_dim)
     set_max_dynamic_shared(kernel, shared)
     launch(
@@ -209,7 +220,7 @@ def _prefill_attention(
             ptr(query_start_loc), ptr(seq_lens), ptr(block_tables),
             np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(num_pages),
             np.int32(page_size.bit_length() - 1), np.int32(block_tables.shape[1]),
-            np.float32(scale * math.log2(math.e)),
+            np.float32(scale * math.log2(math.e)), *scales,
         ),
         device,
         shared_bytes=shared,

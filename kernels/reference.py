@@ -142,20 +142,43 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# float8 e4m3 (an fp8 KV cache): its largest finite magnitude.
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3(x / scale): float32 division, saturated at +-448, rounded to
+    nearest even (what the cache-writing kernels store)."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of an e4m3 tensor times its scale."""
+    return x.float() * scale
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store the new tokens' keys and values in the paged cache, in place.
 
-    k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D], contiguous, same
-    dtype as k/v; slot_mapping: int64 [T], slot = page * S + offset, every
-    slot valid (>= 0) and distinct.
+    k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D], contiguous, of k/v's
+    dtype, or float8_e4m3fn (an fp8 cache: quantize_fp8 with k_scale,
+    v_scale); slot_mapping: int64 [T], slot = page * S + offset, every slot
+    valid (>= 0) and distinct.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.dtype == torch.float8_e4m3fn:
+        # Moved as bytes: torch has no float8 index_copy_ on the CPU.
+        k = quantize_fp8(k, k_scale).view(torch.uint8)
+        v = quantize_fp8(v, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -168,6 +191,8 @@ def paged_attention(
     seq_lens_host: Sequence[int],
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a flat batch over a paged KV cache.
 
@@ -179,6 +204,7 @@ def paged_attention(
     (q_len 1) and prefill chunks over a cached prefix mix freely. The K/V of
     the new tokens must already be in the cache (write_kv_cache first).
     Returns [T, Hq, D] in q's dtype; scores, softmax and sums in float32.
+    An fp8 cache (float8_e4m3fn) is read as its values times k_scale / v_scale.
     """
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -188,8 +214,8 @@ def paged_attention(
         if q_len == 0:
             continue
         pages = block_tables[b, : -(-seq_len // page_size)]
-        keys = _gather_pages(k_cache, pages, seq_len)
-        values = _gather_pages(v_cache, pages, seq_len)
+        keys = _gather_pages(k_cache, pages, seq_len, k_scale)
+        values = _gather_pages(v_cache, pages, seq_len, v_scale)
         queries = q[start:end].transpose(0, 1).float()
         mask, is_causal = _causal_mask(q_len, seq_len, q.device)
         # NOTE: a leading batch dimension lets torch pick its fused CPU
@@ -202,9 +228,12 @@ def paged_attention(
     return out
 
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
+                  fp8_scale: float) -> torch.Tensor:
     """[seq_len, Hkv, D] rows of the pages in order -> float32 [Hkv, seq_len, D]."""
     rows = cache.index_select(0, pages).flatten(0, 1)[:seq_len]
+    if cache.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(rows, fp8_scale).transpose(0, 1)
     return rows.transpose(0, 1).float()
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.kv_cache_dtype import check_kv_caches, writer_scales
 
 _SOURCE = "rope_cache.cu"
 _HEAD_DIMS = (64, 128, 256)
@@ -62,6 +63,9 @@ def rope_and_cache(
     k_norm_weight: torch.Tensor | None,
     eps: float,
     q_out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q and k of the fused projection, cache k and v, return q.
 
@@ -75,11 +79,14 @@ def rope_and_cache(
 
     Writes rope(norm(k)) and v to the caches' rows k_cache.view(-1, Hkv, D)
     [slot] and returns (or fills) q_out, bf16 [T, Hq, D] = rope(norm(q)).
+    The caches may instead both be float8_e4m3fn (an fp8 cache): the rows
+    then hold e4m3(x / k_scale) and e4m3(x / v_scale), x the bf16 values,
+    saturated at +-448 (kernels.reference.quantize_fp8).
     """
     check_cuda_tensor("qkv", qkv, dtype=torch.bfloat16, ndim=2)
     device = qkv.device
-    check_cuda_tensor("k_cache", k_cache, dtype=torch.bfloat16, ndim=4, device=device)
-    check_cuda_tensor("v_cache", v_cache, dtype=torch.bfloat16, ndim=4, device=device)
+    fp8 = check_kv_caches(k_cache, v_cache, device)
+    scales = writer_scales(fp8, k_scale, v_scale)
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)}"
@@ -136,12 +143,13 @@ def rope_and_cache(
     if _overlaps(k_cache, v_cache) or _overlaps(q_out, k_cache) or _overlaps(q_out, v_cache):
         raise ValueError("q_out, k_cache and v_cache must not overlap")
 
-    kernel = load_kernel(_SOURCE, f"rope_and_cache_d{head_dim}", device.index or 0)
+    kernel = load_kernel(_SOURCE, f"rope_and_cache_d{head_dim}{'_fp8' if fp8 else ''}",
+                         device.index or 0)
     threads = tokens * heads_per_token * (head_dim // 16)
     grid = -(-threads // _THREADS)
     args = (ptr(q_out), ptr(k_cache), ptr(v_cache), ptr(qkv), ptr(positions), ptr(cos_sin_cache),
             ptr(slot_mapping), q_norm, k_norm, np.int32(tokens), np.int32(num_heads),
             np.int32(num_kv_heads), np.int32(max_positions), np.int64(pages * page_size),
-            np.float32(eps))
+            np.float32(eps), *scales)
     launch(kernel, (grid,), (_THREADS,), args, device)
     return q_out

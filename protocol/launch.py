@@ -9,11 +9,22 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What --pooling may say (unset: the model's own choice, engine/loader/pooling.py).
 POOLINGS = ("mean", "cls", "last")
 # What --spec may say: speculative decoding off, n-gram (prompt lookup) drafts,
-# or a draft model's (draft_model).
-SPEC_KINDS = ("none", "ngram", "draft")
+# a draft model's (draft_model), or the checkpoint's own MTP head's.
+SPEC_KINDS = ("none", "ngram", "draft", "mtp")
 # Where a mixture-of-experts model's routed experts stay: on the device, or in
 # page-locked host memory that the device reads them from.
 EXPERT_RESIDENCIES = ("device", "host")
+# How the KV pool stores keys and values: "bf16", the model's own dtype
+# (bfloat16 on a GPU; float32 on the CPU by default), or "fp8": float8 e4m3,
+# one byte an element, half the bytes of bf16 (engine/execution/kv_dtype.py).
+KV_DTYPES = ("bf16", "fp8")
+# What --quantize may say: quantize a float checkpoint's projection matrices
+# at load to float8 e4m3 with 128x128 block scales (engine/loader/packing.py).
+QUANTIZE_KINDS = ("fp8",)
+# How a GGUF file's quantized matrices are served on a GPU: dequantized to the
+# model dtype at load (as llama.cpp users' files always were here), or kept
+# in their blocks (about the file's bytes on the device; kernels/gguf_quant.py).
+GGUF_WEIGHTS = ("dequantized", "packed")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -67,8 +78,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Speculative decoding (engine/sampling/drafter.py): "none", "ngram"
     # (prompt lookup: the continuation of the sequence's last n tokens found
     # earlier in its own prompt and output, n from spec_ngram_max down to
-    # spec_ngram_min) or "draft" (draft_model's greedy guesses); up to draft_tokens guesses verified per step, for
-    # greedy rows only in this stage.
+    # spec_ngram_min), "draft" (draft_model's greedy guesses) or "mtp" (the
+    # checkpoint's multi-token-prediction head's, engine/sampling/mtp_drafter.py);
+    # up to draft_tokens guesses verified per step.
     spec: str = "none"
     draft_tokens: int = 4
     spec_ngram_min: int = 1
@@ -94,6 +106,15 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # any cached prefix from its KV pages alone.
     ctx_checkpoints: int = 4
     checkpoint_every_n_tokens: int = 8192
+    # The KV pool's element type (KV_DTYPES): "fp8" stores K and V in float8
+    # e4m3 with a per-tensor scale, twice the tokens in the same memory.
+    kv_dtype: str = "bf16"
+    # QUANTIZE_KINDS or None (the checkpoint's own types): "fp8" keeps the
+    # projections in FP8, one byte an element (our CUDA kernels only).
+    quantize: str | None = None
+    # GGUF_WEIGHTS: "packed" keeps a GGUF's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices
+    # in their blocks on the device (our CUDA kernels only).
+    gguf_weights: str = "dequantized"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -159,6 +180,15 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                              "(--cpu-moe) or --n-cpu-moe N")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, "
+                             f"got {self.gguf_weights!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_KINDS)} (or unset), "
+                             f"got {self.quantize!r}")
 
     @property
     def is_cuda(self) -> bool:

@@ -7,7 +7,18 @@ alone (no torch, no tensor data read).
   of them in that dtype (quantized GGUF tensors are dequantized at load),
   plus the rotary table the decoder keeps for the trained context, less the
   routed experts kept in host memory (--expert-residency host, --n-cpu-moe).
-- KV: 2 (K and V) x layers x KV heads x head size x dtype bytes per token,
+  With --gguf-weights packed, on a GPU in bfloat16, the engine keeps a
+  GGUF's Q4_0/Q8_0/Q4_K/Q5_K/Q6_K projection matrices in their blocks
+  (engine/loader/packing.py): those count their stored bytes instead
+  (packed_matrices below mirrors the rule).
+  Likewise a Hugging Face FP8 checkpoint's FP8 projections (one byte an
+  element plus float32 block scales), and with --quantize fp8 a float
+  checkpoint's projections but lm_head (FP8_BLOCK_BYTES an element: the
+  value and its share of a 128x128 block's scale). Only the dense decoder's
+  q/k/v/o/gate/up/down projections are counted so (hybrid layers' and
+  experts' count in the serving dtype: the estimate errs high).
+- KV: 2 (K and V) x layers x KV heads x head size x KV dtype bytes per token
+  (the serving dtype's, or 1 with --kv-dtype fp8),
   times the tokens the pool will hold (engine/kv/kv_sizing.py's rule: lanes x
   context + prefix-cache tokens, or the explicit capacity), in whole pages.
 - Activations, CUDA graphs and workspaces: an allowance that errs high, as
@@ -67,6 +78,16 @@ class ModelShape:
     weight_elements: int
     # Elements of the routed experts, per layer that has them: (layer, elements).
     expert_elements: tuple[tuple[int, int], ...] = ()
+    # A GGUF's matrices that a GPU engine keeps packed: their elements (among
+    # weight_elements) and their stored bytes.
+    packed_elements: int = 0
+    packed_bytes: int = 0
+    # Whether those are a GGUF's blocks (packed only with --gguf-weights
+    # packed) rather than an FP8 checkpoint's matrices (always kept in FP8).
+    packed_gguf: bool = False
+    # A float Hugging Face checkpoint's projections that --quantize fp8 puts
+    # in FP8 (elements, among weight_elements).
+    fp8_quantizable_elements: int = 0
     # Hybrid models (Qwen3-Next, Qwen3.5): the layers that keep KV pages
     # (None: all), and the recurrent state of one sequence over the
     # linear-attention layers: conv elements (serving dtype), state
@@ -146,8 +167,15 @@ def estimate_footprint(shape: ModelShape, engine: EngineOptions, *, cuda: bool,
     rope_elements = shape.trained_context * shape.head_dim
     on_host = shape.host_expert_elements(engine.host_expert_layer_count)
     weights = (shape.weight_elements - on_host + rope_elements) * size
+    if cuda and size == 2 and shape.head_dim in PACKED_HEAD_DIMS:
+        if not shape.packed_gguf or engine.gguf_weights == "packed":
+            weights += shape.packed_bytes - shape.packed_elements * size
+        if engine.quantize == "fp8":
+            weights -= round(shape.fp8_quantizable_elements * (size - FP8_ELEMENT_BYTES))
     kv_layers = shape.layers if shape.attention_layers is None else shape.attention_layers
-    per_token = 2 * kv_layers * shape.kv_heads * shape.head_dim * size
+    # --kv-dtype fp8: one byte an element (engine/execution/kv_dtype.py).
+    kv_size = 1 if engine.kv_dtype == "fp8" else size
+    per_token = 2 * kv_layers * shape.kv_heads * shape.head_dim * kv_size
     kv_tokens = planned_kv_tokens(shape, engine, fill=fill)
     # A hybrid model's state rows: one per lane and its checkpoints (the
     # engine may keep fewer checkpoints; this is the most it plans for).
@@ -192,10 +220,13 @@ def _hf_shape(directory: Path) -> ModelShape:
     hidden = int(config["hidden_size"])
     elements = 0
     experts: dict[int, int] = {}
+    infos: dict[str, tuple[list[int], str]] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        for name, count in _safetensors_elements(file):
+        for name, info in _safetensors_header(file).items():
+            count = math.prod(info["shape"])
             elements += count
             _count_expert(_HF_EXPERT, name, count, experts)
+            infos[name] = (info["shape"], info["dtype"])
     return ModelShape(
         layers=int(config["num_hidden_layers"]),
         heads=heads,
@@ -207,8 +238,41 @@ def _hf_shape(directory: Path) -> ModelShape:
         trained_context=int(config.get("max_position_embeddings") or 2048),
         weight_elements=elements,
         expert_elements=tuple(sorted(experts.items())),
+        **_hf_fp8_shape(infos),
         **_hf_hybrid_shape(config),
     )
+
+
+# The dense decoder's projections, which the engine can keep in FP8
+# (engine/loader/packing.py plan_fp8), lm_head apart.
+_HF_PROJECTION = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\."
+                            r"(?:q|k|v|o|gate|up|down)_proj\.weight")
+FP8_BLOCK = 128
+# Bytes per element of an FP8 matrix: the value and a float32 scale per block.
+FP8_ELEMENT_BYTES = 1 + 4 / FP8_BLOCK**2
+
+
+def _hf_fp8_shape(infos: dict[str, tuple[list[int], str]]) -> dict[str, int]:
+    """An FP8 checkpoint's projections (and lm_head) stored in FP8 with a
+    scale: packed elements and bytes; a float checkpoint's projections that
+    --quantize fp8 would put in FP8 (K a multiple of 128, as the kernels need)."""
+    packed_elements = packed_bytes = quantizable = 0
+    for name, (shape, dtype) in infos.items():
+        if len(shape) != 2 or shape[1] % FP8_BLOCK:
+            continue
+        projection = _HF_PROJECTION.fullmatch(name) is not None
+        base = name.removesuffix(".weight")
+        scale = next((infos[s] for s in (base + ".weight_scale_inv", base + ".weight_scale")
+                      if s in infos), None)
+        if dtype == "F8_E4M3" and scale is not None and (projection or name == "lm_head.weight"):
+            scale_elements = math.prod(scale[0])
+            packed_elements += math.prod(shape) + scale_elements
+            packed_bytes += math.prod(shape) + 4 * math.ceil(shape[0] / FP8_BLOCK) * (
+                shape[1] // FP8_BLOCK)
+        elif projection and dtype in ("BF16", "F16", "F32"):
+            quantizable += math.prod(shape)
+    return {"packed_elements": packed_elements, "packed_bytes": packed_bytes,
+            "fp8_quantizable_elements": quantizable}
 
 
 def _hf_hybrid_shape(config: dict[str, Any]) -> dict[str, Any]:
@@ -252,15 +316,15 @@ def _count_expert(pattern: re.Pattern[str], name: str, count: int,
         experts[layer] = experts.get(layer, 0) + count
 
 
-def _safetensors_elements(path: Path) -> list[tuple[str, int]]:
-    """Each tensor's name and element count."""
+def _safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Each tensor's header entry (dtype, shape, offsets) by name."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         if length > 100 * MIB:
             raise ValueError(f"{path}: a {length}-byte safetensors header is not believable")
         header: dict[str, Any] = json.loads(file.read(length))
-    return [(name, math.prod(info["shape"])) for name, info in header.items()
-            if name != "__metadata__"]
+    header.pop("__metadata__", None)
+    return header
 
 
 # GGUF value types (gguf's GGUFValueType) and their sizes; 8 is a string, 9 an array.
@@ -324,17 +388,20 @@ def _gguf_shape(path: Path) -> ModelShape:
         elements = 0
         experts: dict[int, int] = {}
         embedding_rows = 0
+        quantized: dict[str, tuple[int, int]] = {}
         # A hybrid's MTP blocks (llama.cpp appends them after the model's
         # own) are skipped by the engine's loader: neither counted here.
         first_mtp = _first_mtp_block(meta)
         for _ in range(tensors):
             name = reader.string()
             dims = [reader.scalar("Q") for _ in range(reader.scalar("I"))]
-            reader.scalar("I")  # the stored type: the engine dequantizes it anyway
+            stored = reader.scalar("I")
             reader.scalar("Q")  # the data offset
             block = _GGUF_BLOCK.match(name)
             if block is not None and int(block.group(1)) >= first_mtp:
                 continue
+            if stored in _PACKED_BLOCKS and len(dims) == 2:
+                quantized[name] = (math.prod(dims), _packed_size(stored, dims))
             elements += math.prod(dims)
             _count_expert(_GGUF_EXPERT, name, math.prod(dims), experts)
             if name == "token_embd.weight" and len(dims) == 2:
@@ -350,6 +417,7 @@ def _gguf_shape(path: Path) -> ModelShape:
     heads = int(arch_value("attention.head_count"))
     hidden = int(arch_value("embedding_length"))
     layers = min(int(arch_value("block_count")), first_mtp)
+    packed = packed_matrices(quantized, arch)
     return ModelShape(
         layers=layers,
         heads=heads,
@@ -361,11 +429,49 @@ def _gguf_shape(path: Path) -> ModelShape:
         trained_context=int(arch_value("context_length", 2048)),
         weight_elements=elements,
         expert_elements=tuple(sorted(experts.items())),
+        packed_elements=sum(quantized[name][0] for name in packed),
+        packed_bytes=sum(quantized[name][1] for name in packed),
+        packed_gguf=True,
         **_gguf_hybrid_shape(meta, arch, layers),
     )
 
 
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+# The GGUF types the engine's GPU kernels read packed (gguf type id ->
+# elements, bytes per block) and the head sizes its kernels serve.
+_PACKED_BLOCKS = {2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+PACKED_HEAD_DIMS = (64, 128, 256)
+# The projections that fill one fused matrix of the engine together: packed
+# only when every one of them is (engine/loader/packing.py).
+_FUSED = ({"attn_q", "attn_k", "attn_v"}, {"ffn_gate", "ffn_up"},
+          {"ffn_gate_shexp", "ffn_up_shexp"})
+_PACKED_ALONE = {"attn_output", "ffn_down", "ffn_down_shexp"}
+_PROJECTION = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def _packed_size(qtype: int, dims: list[int]) -> int:
+    block, size = _PACKED_BLOCKS[qtype]
+    return dims[0] // block * size * math.prod(dims[1:])
+
+
+def packed_matrices(quantized: dict[str, tuple[int, int]], arch: str = "") -> set[str]:
+    """The names among a GGUF's packable-typed matrices that a GPU engine
+    keeps packed: output.weight, and each layer's projections whose fused
+    partners are all packable too (Qwen3-Next's ssm_out too: its loader
+    leaves it as stored)."""
+    packed = {"output.weight"} & quantized.keys()
+    kinds: dict[str, set[str]] = {}
+    for name in quantized:
+        match = _PROJECTION.fullmatch(name)
+        if match is not None:
+            kinds.setdefault(match[1], set()).add(match[2])
+    for layer, present in kinds.items():
+        alone = _PACKED_ALONE | ({"ssm_out"} if arch == "qwen3next" else set())
+        groups = [{kind} for kind in alone] + list(_FUSED)
+        packed.update(f"blk.{layer}.{kind}.weight" for group in groups
+                      if group <= present for kind in group)
+    return packed
 
 
 def _first_mtp_block(meta: dict[str, Any]) -> int:

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from protocol import EngineOptions
-from protocol.launch import DTYPES, EXPERT_RESIDENCIES, SPEC_KINDS
+from protocol.launch import (
+    DTYPES,
+    EXPERT_RESIDENCIES,
+    GGUF_WEIGHTS,
+    KV_DTYPES,
+    QUANTIZE_KINDS,
+    SPEC_KINDS,
+)
 from router.settings import ModelSettings, SamplingOverrides
 from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from router.text.model_text import RENDERER_ARGUMENTS
@@ -304,6 +311,20 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "GPU memory (MiB) this model may hold in all (weights, KV, activations, "
                 "graphs); the planner reserves it and the KV pool fills it "
                 "(0: planned from the checkpoint)", "MIB"),
+    ModelOption("kv-dtype", choice(*KV_DTYPES), "engine.kv_dtype",
+                "how the KV cache stores keys and values: bf16 (the model's dtype) or fp8 "
+                "(float8 e4m3, half the bytes: twice the tokens in the same memory; our CUDA "
+                "kernels on a bf16 model, or the CPU reference)", "{bf16,fp8}"),
+    ModelOption("quantize", choice(*QUANTIZE_KINDS), "engine.quantize",
+                "quantize a Hugging Face checkpoint's projection matrices at load: fp8 "
+                "(float8 e4m3, 128x128 block scales, about half the weight bytes of bf16; "
+                "our CUDA kernels on a bf16 model only; not for GGUF files; FP8 "
+                "checkpoints need no option)", "{fp8}", default_text="off"),
+    ModelOption("gguf-weights", choice(*GGUF_WEIGHTS), "engine.gguf_weights",
+                "how a GGUF file's quantized matrices are served on a GPU: dequantized to "
+                "bf16 at load, or packed (kept in their Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks, "
+                "about the file's bytes on the device; slower than bf16 for now: see "
+                "docs/performance.md)", "{dequantized,packed}", default_text="dequantized"),
     ModelOption("kv-headroom-mib", integer(0), "engine.kv_headroom_mib",
                 "device memory (MiB) that automatic KV sizing leaves free", "MIB"),
     ModelOption("cuda-graph", boolean, "engine.cuda_graph",
@@ -319,9 +340,10 @@ OPTIONS: tuple[ModelOption, ...] = (
                 default_text="the model's sentence-transformers or GGUF setting, else last"),
     ModelOption("spec", choice(*SPEC_KINDS), "engine.spec",
                 "speculative decoding: none, ngram (prompt lookup: drafts copied from "
-                "where the newest tokens appeared before in the request) or draft (a "
-                "smaller model's guesses, --draft-model); output unchanged",
-                "{none,ngram,draft}"),
+                "where the newest tokens appeared before in the request), draft (a "
+                "smaller model's guesses, --draft-model) or mtp (the checkpoint's own "
+                "multi-token-prediction head: Qwen3-Next, Qwen3.5); output unchanged",
+                "{none,ngram,draft,mtp}"),
     ModelOption("draft-model", model_path, "engine.draft_model",
                 "with --spec draft: the draft model, a GGUF file or a Hugging Face directory "
                 "with this model's vocabulary; it runs beside the model on its device",

@@ -33,6 +33,8 @@ CPU_SCRIPTS = {
     "bench_gpu_moe.py": [],
     "bench_gpu_scores.py": [],
     "bench_gpu_speculation.py": [],
+    "bench_gguf_quant.py": [],
+    "bench_gpu_quant.py": [],
     "bench_lifecycle.py": [],
     "bench_models_on_gpu.py": [],
     "bench_router_streaming.py": [],

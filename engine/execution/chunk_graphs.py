@@ -82,11 +82,14 @@ class ChunkGraphs:
         max_context: int,
         page_size: int,
         device: torch.device,
+        hidden_out: torch.Tensor | None = None,
     ) -> None:
+        """hidden_out: as DecodeGraphs' (the padded step's rows)."""
         self.model = model
         self.kv_caches = kv_caches
         self.future = future
         self.memory = memory
+        self.hidden_out = hidden_out
         self.lanes = lanes
         self.sizes = chunk_token_sizes(chunk_graph_tokens(max_tokens))
         self.max_context = max_context
@@ -130,6 +133,8 @@ class ChunkGraphs:
         )
         input_ids = self.future.resolve(self.input_ids[:size])
         hidden = self.model.forward(input_ids, self.positions[:size], meta, self.kv_caches)
+        if self.hidden_out is not None:
+            self.hidden_out[:size].copy_(hidden)
         return self.model.compute_logits(hidden.index_select(0, self.sample_rows))
 
     @torch.inference_mode()

@@ -88,11 +88,15 @@ class DecodeGraphs:
         max_context: int,
         page_size: int,
         device: torch.device,
+        hidden_out: torch.Tensor | None = None,
     ) -> None:
+        """hidden_out: a buffer each replay also copies the rows' final hidden
+        states into (MTP drafting reads them: engine/sampling/mtp_drafter.py)."""
         self.model = model
         self.kv_caches = kv_caches
         self.future = future
         self.memory = memory
+        self.hidden_out = hidden_out
         self.batch_sizes = capture_batch_sizes(max_batch)
         self.buckets = context_buckets(max_context)
         self.max_batch = max_batch
@@ -117,11 +121,14 @@ class DecodeGraphs:
                                         pin_memory=True)
         self._copies_done: torch.cuda.Event | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # The (padded batch, bucket) replayed last (an MTP head's graphs follow it).
+        self.last_shape: tuple[int, int] | None = None
         # A hybrid model's state rows (slot -1: untouched, during capture too).
         self.state = (StaticStateInputs(max_batch, device)
                       if model.config.has_recurrent_state else None)
 
-    def _metadata(self, batch: int, bucket: int) -> AttentionMetadata:
+    def static_metadata(self, batch: int, bucket: int) -> AttentionMetadata:
+        """The metadata every graph of this shape reads (its static inputs)."""
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch + 1],
             seq_lens=self.seq_lens[:batch],
@@ -142,7 +149,9 @@ class DecodeGraphs:
         # Placeholder ids (tokens the step before sampled) are read on the device.
         input_ids = self.future.resolve(self.input_ids[:batch])
         hidden = self.model.forward(input_ids, self.positions[:batch],
-                                    self._metadata(batch, bucket), self.kv_caches)
+                                    self.static_metadata(batch, bucket), self.kv_caches)
+        if self.hidden_out is not None:
+            self.hidden_out[:batch].copy_(hidden)
         self.memory.logits[:batch].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
@@ -206,5 +215,6 @@ class DecodeGraphs:
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
         self._graphs[(padded, bucket)].replay()
+        self.last_shape = (padded, bucket)
         return self.memory.logits[:batch]
 

@@ -35,6 +35,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from engine.execution.kv_dtype import byte_view
+
 WeightsMode = Literal["host", "disk"]
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Layout = Sequence[tuple[torch.Size, torch.dtype]]
@@ -247,7 +249,8 @@ class KVPageStash:
         index = torch.tensor(self.pages, dtype=torch.int64, device=first.device)
         for layer, caches in enumerate(kv_caches):
             for side, cache in enumerate(caches):
-                host[layer, side].copy_(cache.index_select(0, index), non_blocking=pin)
+                byte_view(host[layer, side]).copy_(byte_view(cache).index_select(0, index),
+                                                   non_blocking=pin)
         synchronize(first.device)
 
     @property
@@ -262,7 +265,8 @@ class KVPageStash:
             index = torch.tensor(self.pages, dtype=torch.int64, device=device)
             for layer, caches in enumerate(kv_caches):
                 for side, cache in enumerate(caches):
-                    cache.index_copy_(0, index, host[layer, side].to(device, non_blocking=True))
+                    byte_view(cache).index_copy_(
+                        0, index, byte_view(host[layer, side]).to(device, non_blocking=True))
             synchronize(device)
         self._buffer.release()
 

@@ -11,6 +11,10 @@ engine launches a step's sampling before the next step's forward pass.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import torch
 
 
@@ -19,3 +23,19 @@ class GraphMemory:
         self.pool = torch.cuda.graph_pool_handle()
         # float32 logits of up to `rows` rows, written by each replay.
         self.logits = torch.empty((rows, vocab_size), dtype=torch.float32, device=device)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect garbage first and none while the body runs: Python's collector
+    may free CUDA objects of something dead (another engine's graphs or
+    events, in a process that builds several) in the middle of a capture,
+    and CUDA then refuses the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

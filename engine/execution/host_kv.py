@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from engine.execution.device_state import HostBuffer, KVCache
+from engine.execution.kv_dtype import byte_view
 from engine.kv.host_tier import KVTransfers
 
 # Device memory a batch of host-tier copies stages through at most.
@@ -111,9 +112,11 @@ class HostKVPool:
     def _store(self, pages: list[int], slots: list[int], kv_caches: Sequence[KVCache]) -> None:
         staging = torch.empty((len(pages), *self.page_shape), dtype=self.dtype, device=self.device)
         index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
+        # Bytes (byte_view): an fp8 pool moves as is, by ops torch has for uint8.
+        staged = byte_view(staging)
         for layer, caches in enumerate(kv_caches):
             for side, cache in enumerate(caches):
-                staging[:, layer, side] = cache.index_select(0, index)
+                staged[:, layer, side] = byte_view(cache).index_select(0, index)
         for first, slot, count in _runs(slots):
             self.slots[slot : slot + count].copy_(staging[first : first + count], non_blocking=True)
 
@@ -122,9 +125,10 @@ class HostKVPool:
         for first, slot, count in _runs(slots):
             staging[first : first + count].copy_(self.slots[slot : slot + count], non_blocking=True)
         index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
+        staged = byte_view(staging)
         for layer, caches in enumerate(kv_caches):
             for side, cache in enumerate(caches):
-                cache.index_copy_(0, index, staging[:, layer, side])
+                byte_view(cache).index_copy_(0, index, staged[:, layer, side])
 
     def slot_bytes(self, slot: int) -> bytes:
         """A copy of one slot's bytes, once the copies queued into it are

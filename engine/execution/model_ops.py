@@ -9,7 +9,10 @@ hybrid models the Gated DeltaNet causal conv and delta rule, the zero-centred
 RMSNorms (residual add fused), the gated output norm, the gated attention's
 q/k norms + partial RoPE + cache write, and the shared expert's gated sum. GEMMs are
 torch's (cuBLAS), except the projections of steps with at most 8 rows, which
-a bandwidth-bound skinny GEMM kernel does (kernels/skinny_gemm.py).
+a bandwidth-bound skinny GEMM kernel does (kernels/skinny_gemm.py), and the
+products with GGUF matrices kept in their quantized blocks
+(engine/execution/quantized_weight.py), which kernels/gguf_quant.py does, and
+with FP8 matrices (engine/execution/fp8_weight.py), kernels/fp8_linear.py.
 
 A decode step on CudaOps reads nothing on the host and allocates only torch
 intermediates, so it can be captured into a CUDA graph (engine/execution/cuda_graphs.py).
@@ -21,8 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.fp8_weight import Fp8Weight
+from engine.execution.kv_dtype import K_SCALE, V_SCALE
+from engine.execution.quantized_weight import QuantizedWeight, largest_quantized_elements
 from kernels import (
     activation,
     gated_delta,
@@ -54,8 +61,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class ReferenceOps:
     name = "reference"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Fp8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, (QuantizedWeight, Fp8Weight)):
+            # The same float matrix a dequantizing load would hold.
+            return F.linear(x, weight.dequantize(x.dtype), bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,10 +121,12 @@ class ReferenceOps:
         if rope_cache is not None:
             q, k = reference.apply_rope(positions, q, k, rope_cache)
         k_cache, v_cache = kv_cache
-        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # An fp8 cache (--kv-dtype fp8) is quantized and read back with the
+        # per-tensor scales of engine/execution/kv_dtype.py.
+        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, K_SCALE, V_SCALE)
         out = reference.paged_attention(
             q, k_cache, v_cache, meta.query_start_loc_host, meta.seq_lens_host,
-            meta.block_tables, config.head_dim**-0.5,
+            meta.block_tables, config.head_dim**-0.5, K_SCALE, V_SCALE,
         )
         return out.view(tokens, config.q_size)
 
@@ -193,8 +205,15 @@ class CudaOps(ReferenceOps):
     name = "cuda"
 
     def __init__(self, config: ModelConfig, device: torch.device, decode_batch: int,
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, quant_scratch_elements: int = 0) -> None:
         self.device = device
+        # Where packed GGUF matrices are dequantized for many-row steps
+        # (kernels/gguf_quant.py), shared by every layer, allocated before
+        # any graph is captured; a larger matrix goes through it in chunks.
+        self.quant_scratch = (
+            torch.empty(min(quant_scratch_elements, QUANT_SCRATCH_MAX_ELEMENTS),
+                        dtype=torch.bfloat16, device=device)
+            if quant_scratch_elements else None)
         self.decode_batch = decode_batch
         self.max_seq_len = max_seq_len
         self.workspace = decode_workspace(decode_batch, config.num_heads, config.head_dim,
@@ -215,16 +234,76 @@ class CudaOps(ReferenceOps):
         if self.moe_workspace is not None:
             tensors.append(self.moe_workspace)
         tensors += self.staged_experts or ()
+        if self.quant_scratch is not None:
+            tensors.append(self.quant_scratch)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Fp8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._quantized_linear(x, weight, bias)
+        if isinstance(weight, Fp8Weight):
+            return self._fp8_linear(x, weight, bias)
         # NOTE: for a few rows (decode) cuBLAS streams the smaller matrices at
         # 8-50% of the copy rate (bench_skinny_gemm.py); our kernel beats it
         # there. Larger batches and larger matrices stay with cuBLAS.
         if skinny_linear_supported(x, weight) and _skinny_wins(x.shape[0], weight.numel()):
             return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ packed weight [N, K]^T: each segment of rows writes its
+        columns of one output. Many-row steps dequantize into the shared
+        scratch, a chunk of rows at a time where a segment is larger."""
+        from kernels import gguf_quant  # only where our GPU kernels run
+
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        scratch = self.quant_scratch
+        chunk = max(scratch.numel() // weight.k, 1) if scratch is not None else 0
+        for segment in weight.segments():
+            step = min(chunk or segment.rows, segment.rows)
+            for first in range(0, segment.rows, step):
+                rows = min(step, segment.rows - first)
+                start = segment.start + first
+                # NOTE: a part of the rows writes its columns of out in place
+                # (a view with row stride N), so nothing is concatenated.
+                columns = out if rows == out.shape[1] else out[:, start:start + rows]
+                gguf_quant.quant_linear(x, segment.packed[first:first + rows], segment.qtype,
+                                        weight.k, out=columns, scratch=scratch)
+        if bias is not None:
+            out += bias
+        return out
+
+    def _fp8_linear(self, x: torch.Tensor, weight: Fp8Weight,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ FP8 weight [N, K]^T, segment by segment into one output
+        (kernels/fp8_linear.py). Many-row steps dequantize into the shared
+        scratch, in chunks of whole 128-row scale blocks where a segment is
+        larger."""
+        from kernels import fp8_linear  # only where our GPU kernels run
+
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        scratch = self.quant_scratch
+        chunk = 0
+        if scratch is not None:
+            chunk = max(scratch.numel() // weight.k // FP8_CHUNK_ROWS, 1) * FP8_CHUNK_ROWS
+        many = x.shape[0] > fp8_linear.FP8_GEMV_MAX_ROWS
+        for segment in weight.segments():
+            step = min(chunk, segment.rows) if many and chunk else segment.rows
+            for first in range(0, segment.rows, step):
+                rows = min(step, segment.rows - first)
+                start = segment.start + first
+                columns = out if rows == out.shape[1] else out[:, start:start + rows]
+                scales = segment.scales[first // FP8_CHUNK_ROWS:
+                                        -(-(first + rows) // FP8_CHUNK_ROWS)]
+                fp8_linear.fp8_linear(x, segment.values[first:first + rows], scales,
+                                      out=columns, scratch=scratch)
+        if bias is not None:
+            out += bias
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
@@ -279,25 +358,26 @@ class CudaOps(ReferenceOps):
         q = rope_and_cache(
             qkv, positions, rope_cache, k_cache, v_cache, meta.slot_mapping,
             config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
-            config.rms_norm_eps,
+            config.rms_norm_eps, k_scale=K_SCALE, v_scale=V_SCALE,
         )
         return self._paged_attention(config, q, kv_cache, meta)
 
     def _paged_attention(self, config: ModelConfig, q: torch.Tensor, kv_cache: KVCache,
                          meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], its K/V in the cache already -> [T, q_size]: the
-        split-K decode kernel for decode rows, the prefill kernel otherwise."""
+        split-K decode kernel for decode rows, the prefill kernel otherwise.
+        Either reads a bf16 or an fp8 cache (scaled by K_SCALE, V_SCALE)."""
         k_cache, v_cache = kv_cache
         scale = config.head_dim**-0.5
         if meta.max_query_len == 1:
             out = paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                meta.max_seq_len, self.workspace,
+                meta.max_seq_len, self.workspace, k_scale=K_SCALE, v_scale=V_SCALE,
             )
         else:
             out = paged_prefill_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, meta.max_query_len,
+                scale, meta.max_query_len, k_scale=K_SCALE, v_scale=V_SCALE,
             )
         return out.view(q.shape[0], config.q_size)
 
@@ -323,7 +403,7 @@ class CudaOps(ReferenceOps):
         q = gated_rope_and_cache(
             projected, positions, rope_cache, k_cache, v_cache, meta.slot_mapping,
             config.num_heads, config.num_kv_heads, q_norm_weight, k_norm_weight,
-            config.rms_norm_eps,
+            config.rms_norm_eps, k_scale=K_SCALE, v_scale=V_SCALE,
         )
         out = self._paged_attention(config, q, kv_cache, meta)
         # The attention kernels allocated out: gated in place.
@@ -463,16 +543,25 @@ def _skinny_wins(rows: int, weight_elements: int) -> bool:
     return weight_elements <= 16 << 20 or (rows <= 2 and weight_elements <= 32 << 20)
 
 
+# The most elements the packed matrices' dequantization scratch holds (bf16,
+# 128 MiB): the largest dense projection of an 8B model (gate_up, 100M
+# elements) goes in two chunks, a large vocabulary's lm_head in several.
+QUANT_SCRATCH_MAX_ELEMENTS = 64 << 20
+# An FP8 segment is cut for the scratch at multiples of its scale blocks' rows.
+FP8_CHUNK_ROWS = 128
+
 REFERENCE_OPS = ReferenceOps()
 
 
 def make_ops(config: ModelConfig, device: torch.device, *, use_kernels: bool, max_batch: int,
-             max_context: int) -> ReferenceOps:
+             max_context: int, model: nn.Module | None = None) -> ReferenceOps:
     """The ops a model runs: our kernels (their decode workspace sized for
-    max_batch rows and max_context tokens) or the torch reference."""
+    max_batch rows and max_context tokens, their dequantization scratch for
+    model's largest packed matrix) or the torch reference."""
     if not use_kernels:
         return REFERENCE_OPS
-    return CudaOps(config, device, max_batch, max_context)
+    scratch = largest_quantized_elements(model) if model is not None else 0
+    return CudaOps(config, device, max_batch, max_context, quant_scratch_elements=scratch)
 
 
 # Head sizes the attention and RoPE kernels are built for (256: Qwen3-Next's

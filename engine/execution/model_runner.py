@@ -12,11 +12,9 @@ steps with prompt chunks of up to a couple of thousand tokens
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,11 +34,13 @@ from engine.execution.device_state import (
 )
 from engine.execution.embeddings import PooledVectors, Pooler
 from engine.execution.expert_cache import ExpertCache
+from engine.execution.fp8_weight import Fp8Weight
 from engine.execution.future_tokens import FutureTokens
-from engine.execution.graph_memory import GraphMemory
+from engine.execution.graph_memory import GraphMemory, collector_paused
 from engine.execution.host_kv import HostKVPool
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
 from engine.execution.page_copy import copy_page_prefixes
+from engine.execution.quantized_weight import QuantizedWeight
 from engine.execution.recurrent_state import RecurrentStatePools, state_kernels_cover
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
 from engine.kv.host_tier import KVTransfers
@@ -48,6 +48,7 @@ from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
 from engine.sampling.draft_logprobs import DraftLogprobs, draft_contexts
 from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
+from engine.sampling.mtp_drafter import MTPDrafter
 from engine.sampling.processed_logprobs import use_processed
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
@@ -55,22 +56,6 @@ from engine.scheduling.scheduler import SchedulerOutput
 from protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Collect garbage first and none while the body runs: Python's collector
-    may free CUDA objects of something dead (another engine's graphs or
-    events, in a process that builds several) in the middle of a capture,
-    and CUDA then refuses the capture."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass
@@ -99,6 +84,8 @@ class ModelRunner:
         host_kv_slots: int = 0,
         decode_rows: int = 0,
         expert_cache_bytes: int = 0,
+        keep_hidden: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ):
         """Everything a step needs, built at once: the model's ops, a KV pool
         of num_pages pages and, with cuda_graph, the decode graphs.
@@ -110,7 +97,11 @@ class ModelRunner:
         if smaller) sizes the decode workspace and graphs: a verify step of
         up to that many tokens runs as decode rows (step_inputs.py);
         expert_cache_bytes of device memory cache host-resident experts
-        (engine/execution/expert_cache.py, with our kernels). The model keeps
+        (engine/execution/expert_cache.py, with our kernels); kv_dtype: the
+        KV pool's element type (None: dtype; torch.float8_e4m3fn for
+        --kv-dtype fp8, engine/execution/kv_dtype.py); keep_hidden: every
+        step's final hidden states stay readable until the next step
+        (last_hidden), for MTP drafting (set `mtp` to the drafter). The model keeps
         the kernel ops it was given (bootstrap sets them before measuring a
         step's memory, which sizes num_pages)."""
         if num_pages < 1:
@@ -123,6 +114,7 @@ class ModelRunner:
         self._weight_files = WeightFiles.of(Path(model_path))
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.num_pages = num_pages
         self.page_size = page_size
         self.sampler = sampler
@@ -144,7 +136,8 @@ class ModelRunner:
         # The host tier's pages; host memory, so it stays through a sleep.
         self.host_kv = (HostKVPool(host_kv_slots, num_layers=self.config.num_attention_layers,
                                    page_size=page_size, num_kv_heads=self.config.num_kv_heads,
-                                   head_dim=self.config.head_dim, dtype=dtype, device=device)
+                                   head_dim=self.config.head_dim, dtype=self.kv_dtype,
+                                   device=device)
                         if host_kv_slots else None)
         # Tokens sampled by launched steps, for the steps launched after them.
         self.future = FutureTokens(max(max_batch, 1), device)
@@ -159,11 +152,19 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.chunk_graphs: ChunkGraphs | None = None
         self.graph_bytes = 0  # the graphs' memory pool
+        # MTP drafting (engine/sampling/mtp_drafter.py) runs the head over
+        # every step's rows; it reads their hidden states here.
+        self.keep_hidden = keep_hidden
+        self.hidden_out: torch.Tensor | None = None  # the graphs' copy of them
+        self.last_hidden: torch.Tensor | None = None
+        self._decode_replayed = False  # the last step's rows came from a decode graph
+        self.mtp: MTPDrafter | None = None
         self.graph_seconds = self._capture_graphs()
 
     def _make_ops(self) -> ReferenceOps:
         return make_ops(self.config, self.device, use_kernels=self.use_kernels,
-                        max_batch=self.decode_rows, max_context=self.max_context)
+                        max_batch=self.decode_rows, max_context=self.max_context,
+                        model=self.model)
 
     def _make_expert_cache(self) -> ExpertCache | None:
         if not (self.use_kernels and self.expert_cache_bytes):
@@ -195,17 +196,23 @@ class ModelRunner:
         reserved_before = torch.cuda.memory_reserved(self.device)
         memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
                   if self.cuda_graph else None)
-        if chunk_graph_tokens(self.max_step_tokens):
+        chunk_tokens = chunk_graph_tokens(self.max_step_tokens)
+        if self.keep_hidden:
+            self.hidden_out = torch.empty((max(self.decode_rows, chunk_tokens),
+                                           self.config.hidden_size),
+                                          dtype=self.dtype, device=self.device)
+        if chunk_tokens:
             self.chunk_graphs = ChunkGraphs(
                 self.model, self.kv_caches, self.future, memory, lanes=self.max_batch,
                 max_tokens=self.max_step_tokens, max_context=self.max_context,
-                page_size=self.page_size, device=self.device,
+                page_size=self.page_size, device=self.device, hidden_out=self.hidden_out,
             )
         if memory is None:
             return 0.0
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, self.future, memory, max_batch=self.decode_rows,
             max_context=self.max_context, page_size=self.page_size, device=self.device,
+            hidden_out=self.hidden_out,
         )
         with collector_paused():
             if self.chunk_graphs is not None:
@@ -227,7 +234,7 @@ class ModelRunner:
 
     def _allocate_kv(self) -> list[KVCache]:
         shape = (self.num_pages, self.page_size, self.config.num_kv_heads, self.config.head_dim)
-        dtype, device = self.dtype, self.device
+        dtype, device = self.kv_dtype, self.device
         return [(torch.zeros(shape, dtype=dtype, device=device),
                  torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(self.config.num_attention_layers)]
@@ -262,6 +269,7 @@ class ModelRunner:
         if self.chunk_graphs is not None:
             self.chunk_graphs.release()
         self.graphs = self.chunk_graphs = None
+        self.hidden_out = self.last_hidden = None
         if self.expert_cache is not None:
             self.expert_cache.release()
             self.expert_cache = None
@@ -314,9 +322,15 @@ class ModelRunner:
                 f"{self.model_path} changed while the engine slept ({', '.join(changed[:3])}); "
                 "its kept KV pages belong to the old weights: the model must be loaded again"
             )
-        # Experts in host memory before the sleep go there again.
+        # Experts in host memory before the sleep go there again; FP8
+        # matrices (--quantize fp8) are quantized again.
+        fp8 = any(isinstance(m, Fp8Weight) for m in self.model.modules())
         loaded = load_model(self.model_path, self.device, self.dtype,
-                            host_expert_layers=self.model.host_expert_layers)
+                            host_expert_layers=self.model.host_expert_layers,
+                            with_mtp=getattr(self.model, "mtp", None) is not None,
+                            quantize="fp8" if fp8 else None,
+                            gguf_packed=any(isinstance(m, QuantizedWeight)
+                                            for m in self.model.modules()))
         if loaded.config != self.config:
             raise RuntimeError(f"{self.model_path} now describes another model than it did at load")
         return loaded.model
@@ -376,6 +390,8 @@ class ModelRunner:
                         and not any(chunk.scored for chunk in out.chunks)
                         and self.graphs.handles(inputs) else None)
         hidden = self._forward(inputs) if graph_logits is None else None
+        if graph_logits is not None:
+            self._kept_from_graph(inputs, decode=True)
         draft_mask = draft_masks() if draft_masks is not None and inputs.draft_rows else None
         pooled = self.pooler.pool(hidden, inputs, embedding) if embedding else None
         scores: list[tuple[int, PromptScores]] = []
@@ -426,9 +442,10 @@ class ModelRunner:
                     draft_mask.window(first, lane_rows) if draft_mask is not None else None,
                     ahead=ahead[block], resolve=self.future.resolve))
                 asked.take(raw, draft_logits, seqs, targets[-1], self.sampler)
-            verified = self._targets_to_host(torch.cat(targets),
-                                             asked if asked.asked else None)
-        return StepForward(inputs, logits, scores, pooled, verified)
+            drawn = torch.cat(targets)
+            verified = self._targets_to_host(drawn, asked if asked.asked else None)
+        return StepForward(inputs, logits, scores, pooled, verified,
+                           drawn if inputs.draft_rows else None)
 
     def _targets_to_host(self, targets: torch.Tensor,
                          logprobs: DraftLogprobs | None = None) -> SampledTokens:
@@ -484,6 +501,7 @@ class ModelRunner:
             # The graph computes every row's logits; decode rows all sample
             # but for the rare one-token prompt chunk.
             logits = self.graphs.run(inputs)
+            self._kept_from_graph(inputs, decode=True)
             if not inputs.sample_rows:
                 return None
             if len(inputs.sample_rows) < inputs.num_tokens:
@@ -492,6 +510,7 @@ class ModelRunner:
         if self.chunk_graphs is not None and self.chunk_graphs.handles(inputs):
             # The graph (or its eager twin) gathers the sampled rows' logits itself.
             logits = self.chunk_graphs.run(inputs)
+            self._kept_from_graph(inputs)
             return logits if inputs.sample_rows else None
         hidden = self._forward(inputs)
         if not inputs.sample_rows:
@@ -528,7 +547,32 @@ class ModelRunner:
             # compute the same numbers.
             bound = context_bucket(context_buckets(self.max_context), int(inputs.seq_lens.max()))
         input_ids, positions, meta = self._inputs.metadata(inputs, bound)
-        return self.model.forward(self.future.resolve(input_ids), positions, meta, self.kv_caches)
+        hidden = self.model.forward(self.future.resolve(input_ids), positions, meta,
+                                    self.kv_caches)
+        if self.keep_hidden:
+            self.last_hidden = hidden
+            self._decode_replayed = False
+        return hidden
+
+    def _kept_from_graph(self, inputs: StepInputs, decode: bool = False) -> None:
+        """A graph (decode: a decode graph) ran the step: its rows' hidden
+        states are in hidden_out."""
+        if self.hidden_out is not None:
+            self.last_hidden = self.hidden_out[: inputs.num_tokens]
+            self._decode_replayed = decode
+
+    @torch.inference_mode()
+    def after_sampling(self, out: SchedulerOutput, step: StepForward) -> None:
+        """Every sampling of a step is launched: MTP drafting runs its head
+        over the step's rows now, before the next step's forward pass
+        overwrites their hidden states (engine/sampling/mtp_drafter.py)."""
+        if self.mtp is None or self.last_hidden is None:
+            return
+        hidden, self.last_hidden = self.last_hidden, None
+        decode = self.graphs if self._decode_replayed else None
+        self._decode_replayed = False
+        self.mtp.observe(out, step.inputs, hidden[: step.inputs.num_tokens], self.future,
+                         step.targets, decode)
 
 
 @dataclass
@@ -544,6 +588,8 @@ class StepForward:
     pooled: PooledVectors | None = None
     # The target's tokens at the step's draft positions (StepInputs.draft_rows).
     verified: SampledTokens | None = None
+    # The same tokens on the device (MTP drafting feeds them to its head).
+    targets: torch.Tensor | None = None
 
 
 class SampledTokens:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.execution.device_state import KVCache
+from engine.execution.kv_dtype import byte_view
 
 
 @torch.inference_mode()
@@ -22,7 +23,8 @@ def read_pages(kv_caches: Sequence[KVCache], pages: Sequence[int]) -> list[bytes
         return []
     first = kv_caches[0][0]
     index = torch.tensor(list(pages), dtype=torch.int64, device=first.device)
-    stacked = torch.stack([torch.stack([cache.index_select(0, index) for cache in caches], dim=1)
+    stacked = torch.stack([torch.stack([byte_view(cache).index_select(0, index)
+                                        for cache in caches], dim=1)
                            for caches in kv_caches], dim=1)  # (pages, layers, 2, ...)
     host = stacked.cpu().contiguous().view(torch.uint8).reshape(len(pages), -1).numpy()
     return [host[i].tobytes() for i in range(len(pages))]
@@ -37,11 +39,12 @@ def write_pages(kv_caches: Sequence[KVCache], pages: Sequence[int],
     first = kv_caches[0][0]
     shape = (len(kv_caches), 2, *first.shape[1:])
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-    staged = raw.view(first.dtype).reshape(len(pages), *shape).to(first.device)
+    # An fp8 pool moves as bytes (byte_view): torch has no float8 index_copy_ on the CPU.
+    staged = raw.view(byte_view(first).dtype).reshape(len(pages), *shape).to(first.device)
     index = torch.tensor(list(pages), dtype=torch.int64, device=first.device)
     for layer, caches in enumerate(kv_caches):
         for side, cache in enumerate(caches):
-            cache.index_copy_(0, index, staged[:, layer, side])
+            byte_view(cache).index_copy_(0, index, staged[:, layer, side])
     if first.device.type == "cuda":
         torch.cuda.synchronize(first.device)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.execution.device_state import KVCache
+from engine.execution.kv_dtype import byte_view
 from engine.kv.partial_pages import PageCopy
 
 
@@ -24,4 +25,6 @@ def copy_page_prefixes(copies: Sequence[PageCopy], kv_caches: Sequence[KVCache])
     for source, target, num_tokens in copies:
         for caches in kv_caches:
             for cache in caches:
-                cache[target, :num_tokens].copy_(cache[source, :num_tokens])
+                # Bytes: an fp8 page is copied as is (byte_view).
+                raw = byte_view(cache)
+                raw[target, :num_tokens].copy_(raw[source, :num_tokens])

@@ -20,7 +20,12 @@ engine/models/qwen3_next.py as the safetensors checkpoint would fill them:
   channels, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, ssm_out's columns)
   is reordered from grouped by key head (k0v0, k0v1, k1v0, k1v1) to tiled
   (k0v0, k1v0, k0v1, k1v1) for ggml's broadcast;
-- blocks past block_count - nextn_predict_layers are MTP heads: skipped.
+- blocks past block_count - nextn_predict_layers are the MTP head: skipped,
+  or with keep_mtp (--spec mtp) read as mtp.layers.<i>.*, their nextn.eh_proj
+  as mtp.fc, nextn.enorm / nextn.hnorm / nextn.shared_head_norm (stored w + 1,
+  like the other zero-centred norms) as mtp.pre_fc_norm_embedding /
+  mtp.pre_fc_norm_hidden / mtp.norm; nextn.embed_tokens and
+  nextn.shared_head_head, where a file has them, repeat the model's own.
 
 Everything else (attention projections, whose q rows keep the query/gate
 interleave, experts, shared expert) is named as for the other architectures.
@@ -52,6 +57,14 @@ _ZERO_CENTRED_NORMS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# The MTP block's own tensors, stored w + 1 but for eh_proj (fc).
+_MTP_TENSORS = {
+    "nextn.eh_proj": ("mtp.fc.weight", 0.0),
+    "nextn.enorm": ("mtp.pre_fc_norm_embedding.weight", 1.0),
+    "nextn.hnorm": ("mtp.pre_fc_norm_hidden.weight", 1.0),
+    "nextn.shared_head_norm": ("mtp.norm.weight", 1.0),
+}
+_MTP_SHARED = frozenset({"nextn.embed_tokens", "nextn.shared_head_head"})
 _LINEAR_ATTENTION = {
     "ssm_a": "A_log",
     "ssm_conv1d": "conv1d.weight",
@@ -83,10 +96,16 @@ class HybridTensors:
         self.tiled = architecture in TILED_ARCHITECTURES
         self.other_name = other_name
         self._pending: dict[tuple[str, str], np.ndarray] = {}
-        if block_count > self.num_layers:
-            blocks = ", ".join(f"blk.{b}" for b in range(self.num_layers, block_count))
-            log.info("%s: skipping the MTP (next-token prediction) head %s; not used yet",
-                     architecture, blocks)
+        self.architecture = architecture
+        self.block_count = block_count
+        # Set by the checkpoint before reading: read the MTP head (--spec mtp).
+        self.keep_mtp = False
+
+    def log_mtp(self) -> None:
+        if self.block_count > self.num_layers and not self.keep_mtp:
+            blocks = ", ".join(f"blk.{b}" for b in range(self.num_layers, self.block_count))
+            log.info("%s: skipping the MTP (next-token prediction) head %s (drafts only with "
+                     "--spec mtp)", self.architecture, blocks)
 
     def restore(self, gguf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """(HF name, array) pairs for one GGUF tensor: none for a skipped MTP
@@ -98,7 +117,7 @@ class HybridTensors:
             return [(self.other_name(gguf_name), array)]
         layer, kind, _ = match.groups()
         if int(layer) >= self.num_layers:
-            return []
+            return self._mtp_tensor(int(layer) - self.num_layers, gguf_name, kind, array)
         prefix = f"model.layers.{layer}"
         if kind in _ZERO_CENTRED_NORMS:
             return [(f"{prefix}.{_ZERO_CENTRED_NORMS[kind]}.weight", array - 1)]
@@ -108,6 +127,38 @@ class HybridTensors:
             return self._pair_qkvz(layer, kind, array)
         array = self._linear_attention_array(kind, array)
         return [(f"{prefix}.linear_attn.{_LINEAR_ATTENTION[kind]}", array)]
+
+    def _mtp_tensor(self, index: int, gguf_name: str, kind: str, array: np.ndarray
+                    ) -> list[tuple[str, np.ndarray]]:
+        """An MTP block's tensor under its HF name (none unless keep_mtp)."""
+        if not self.keep_mtp or kind in _MTP_SHARED:
+            return []
+        if kind in _MTP_TENSORS:
+            name, offset = _MTP_TENSORS[kind]
+            return [(name, array - offset if offset else array)]
+        # The block's attention and MLP tensors, named as a decoder layer's.
+        restored = self.restore(gguf_name.replace(f"blk.{index + self.num_layers}.", "blk.0.", 1),
+                                array)
+        return [(name.replace("model.layers.0.", f"mtp.layers.{index}.", 1), value)
+                for name, value in restored]
+
+    def renamed(self, gguf_name: str) -> str | None:
+        """The HF name of a tensor that restore() hands on unchanged (so its
+        quantized blocks can be kept as they are: engine/loader/packing.py);
+        None for one it transforms or skips."""
+        match = _BLOCK_TENSOR.fullmatch(gguf_name)
+        if match is None:
+            return None if gguf_name == "output_norm.weight" else self.other_name(gguf_name)
+        layer, kind, _ = match.groups()
+        if int(layer) >= self.num_layers or kind in _ZERO_CENTRED_NORMS:
+            return None
+        if kind not in _LINEAR_ATTENTION:
+            return self.other_name(gguf_name)
+        # Qwen3-Next's output and b/a projections pass as stored; Qwen3.5
+        # reorders value heads and Qwen3-Next regroups q/k/v/z.
+        if self.tiled or kind not in ("ssm_out", "ssm_ba"):
+            return None
+        return f"model.layers.{layer}.linear_attn.{_LINEAR_ATTENTION[kind]}"
 
     def check_complete(self) -> None:
         if self._pending:

@@ -1,4 +1,5 @@
-"""Weights from a GGUF file (llama.cpp's format), dequantized to HF-layout tensors."""
+"""Weights from a GGUF file (llama.cpp's format), dequantized to HF-layout tensors
+(or, for the matrices a load keeps packed, their blocks: engine/loader/packing.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import dequantize
 
 from engine.loader.gguf_hybrid import HYBRID_ARCHITECTURES, HybridTensors
+from engine.loader.packing import PACKED_TYPES, PackedRows
 from engine.loader.pooling import gguf_pooling
 from engine.models import model_class
 from engine.models.config import ModelConfig
@@ -49,6 +51,7 @@ _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Tensors that ModelConfig.from_gguf reads as settings rather than weights.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 _PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+_FLOAT_TYPES = frozenset({*_PLAIN_TYPES, GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
 
 
 class GGUFCheckpoint:
@@ -76,14 +79,26 @@ class GGUFCheckpoint:
             t.name.split(".")[-2] in _STACKED_EXPERTS for t in self.reader.tensors
         )
         _check_tensor_types(self.reader, path)
+        # Only hybrid files carry an MTP head we read (load_model sets this).
+        self.keep_mtp = False
+        # The tensors yielded as their blocks (PackedRows), by HF name
+        # (load_model sets this from engine/loader/packing.py's plan).
+        self.packed_names: frozenset[str] = frozenset()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
         """(HF name, float CPU tensor shaped like the HF weight, fraction of bytes read)."""
         total = sum(int(t.n_bytes) for t in self.reader.tensors) or 1
         done = 0
+        if self._hybrid is not None:
+            self._hybrid.keep_mtp = self.keep_mtp
+            self._hybrid.log_mtp()
         for tensor in self.reader.tensors:
             done += int(tensor.n_bytes)
             if tensor.name in _CONFIG_TENSORS:
+                continue
+            packed = self._packed_rows(tensor)
+            if packed is not None:
+                yield packed[0], packed[1], done / total  # type: ignore[misc]
                 continue
             array = _to_numpy(tensor)
             restored = (self._hybrid.restore(tensor.name, array) if self._hybrid is not None
@@ -92,16 +107,62 @@ class GGUFCheckpoint:
                 if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
                     # The converter squeezes HF's [1, H] gate to a vector.
                     array = array[None]
-                if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-                    array = unpermute_rows(array, self.config.num_heads)
-                elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-                    array = unpermute_rows(array, self.config.num_kv_heads)
-                yield name, torch.from_numpy(array), done / total
+                yield name, torch.from_numpy(self._hf_row_order(name, array)), done / total
         if self._hybrid is not None:
             self._hybrid.check_complete()
 
+    def _hf_row_order(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Undo the converter's q/k row permutation where it made one (rows
+        of quantized blocks move as float rows would)."""
+        if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_rows(array, self.config.num_heads)
+        if self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_rows(array, self.config.num_kv_heads)
+        return array
+
     def _hf_name(self, gguf_name: str) -> str:
         return hf_name(gguf_name, self._expert_names)
+
+    def _renamed(self, tensor: ReaderTensor) -> str | None:
+        """The HF name of a tensor that loading only renames (and maybe
+        reorders by rows); None for one it transforms or skips."""
+        try:
+            if self._hybrid is not None:
+                return self._hybrid.renamed(tensor.name)
+            return self._hf_name(tensor.name)
+        except ValueError:
+            return None
+
+    def packable_tensors(self) -> dict[str, tuple[int, tuple[int, int]]]:
+        """HF name -> (GGUF type id, HF shape) of the matrices whose blocks
+        could be kept packed (engine/loader/packing.py)."""
+        found = {}
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type not in PACKED_TYPES or len(tensor.shape) != 2:
+                continue
+            name = self._renamed(tensor)
+            if name is not None:
+                k, rows = (int(n) for n in tensor.shape)  # GGUF lists the innermost first
+                found[name] = (int(tensor.tensor_type), (rows, k))
+        return found
+
+    def quantized_types(self) -> dict[str, int]:
+        """Name (HF where loading only renames it, else GGUF) -> GGUF type id
+        of every quantized tensor, for the load's log line."""
+        return {self._renamed(t) or t.name: int(t.tensor_type) for t in self.reader.tensors
+                if t.tensor_type not in _FLOAT_TYPES and t.name not in _CONFIG_TENSORS}
+
+    def _packed_rows(self, tensor: ReaderTensor) -> tuple[str, PackedRows] | None:
+        """The tensor's blocks, for a tensor the load keeps packed."""
+        if not self.packed_names or tensor.tensor_type not in PACKED_TYPES:
+            return None
+        name = self._renamed(tensor)
+        if name is None or name not in self.packed_names:
+            return None
+        # One tensor-sized copy out of the read-only memory map.
+        rows = np.array(self._hf_row_order(name, tensor.data), dtype=np.uint8, copy=True)
+        return name, PackedRows(int(tensor.tensor_type), int(tensor.shape[0]),
+                                torch.from_numpy(rows))
 
 
 def hf_name(gguf_name: str, experts: ExpertTensorNames | None = None) -> str:

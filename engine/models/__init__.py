@@ -58,11 +58,12 @@ def gguf_architecture(name: str, has_experts: bool = False) -> str:
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                host_expert_layers: int = 0) -> CausalLM:
+                host_expert_layers: int = 0, with_mtp: bool = False) -> CausalLM:
     """A model of config's architecture with uninitialized weights on device,
     but the routed experts of the first host_expert_layers layers (-1: all)
     in host memory. ValueError when those layers have no experts: the option
-    asking for it would do nothing."""
+    asking for it would do nothing. with_mtp: with the checkpoint's MTP head
+    (--spec mtp; ValueError for a model that has none)."""
     if host_expert_layers and not any(
             config.moe is not None and config.moe.is_sparse(layer)
             and experts_on_host(layer, host_expert_layers)
@@ -73,7 +74,15 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
                   else f"--n-cpu-moe {host_expert_layers}")
         raise ValueError(f"{option}: {config.architecture} {where}; drop the option for "
                          "this model")
-    return model_class(config.architecture)(config, device, dtype, host_expert_layers)
+    model = model_class(config.architecture)(config, device, dtype, host_expert_layers)
+    if with_mtp:
+        add_head = getattr(model, "add_mtp_head", None)
+        if add_head is None or not config.mtp_layers:
+            raise ValueError(f"--spec mtp: {config.architecture} checkpoints carry no MTP "
+                             "(multi-token prediction) layers to draft with; use --spec ngram "
+                             "or --spec draft")
+        add_head(device, dtype)
+    return model
 
 
 __all__ = [

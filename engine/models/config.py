@@ -122,6 +122,10 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     # RoPE rotates the first rotary_dim = head_dim * factor dims of each head.
     partial_rotary_factor: float = 1.0
+    # Multi-token-prediction layers the checkpoint carries after its decoder
+    # (Qwen3-Next's and Qwen3.5's mtp.*): --spec mtp drafts with them
+    # (engine/models/mtp_head.py); num_layers does not count them.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

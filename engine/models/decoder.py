@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution.attention_metadata import AttentionMetadata
+from engine.execution.fp8_weight import Fp8Weight
 from engine.execution.model_ops import REFERENCE_OPS, ReferenceOps
+from engine.execution.quantized_weight import QuantizedWeight
 from engine.models.config import ModelConfig, MoEConfig
 from engine.models.moe import QWEN_EXPERT_NAMES, ExpertTensorNames, SparseMoE
+from engine.models.weight_alloc import empty_weight
 from kernels.reference import build_rope_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -39,10 +42,14 @@ class AttentionTraits:
 
 
 def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+    return empty_weight(shape, device, dtype)
 
 
 class Attention(nn.Module):
+    # The weights ops.linear multiplies by: a GGUF load may keep them packed
+    # (engine/loader/packing.py puts a QuantizedWeight in their place).
+    linear_weights: ClassVar[tuple[str, ...]] = ("qkv_weight", "o_weight")
+
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -91,6 +98,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     checkpoint_name = "mlp"
+    linear_weights: ClassVar[tuple[str, ...]] = ("gate_up_weight", "down_weight")
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -183,6 +191,8 @@ class CausalLM(nn.Module):
     # Whether this class's GGUF files carry experts ({arch}.expert_count > 0):
     # llama.cpp writes Llama and Mixtral under the same "llama" architecture.
     gguf_has_experts: ClassVar[bool] = False
+    # An untied lm_head may be kept packed (a tied one is the embedding table).
+    linear_weights: ClassVar[tuple[str, ...]] = ("lm_head",)
 
     @classmethod
     def hf_traits(cls, cfg: dict[str, Any]) -> AttentionTraits:
@@ -272,6 +282,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> float32 [N, vocab_size]."""
+        if isinstance(self.lm_head, (QuantizedWeight, Fp8Weight)):
+            return self.ops.linear(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 
     def weight_destinations(self, stacked_experts: bool = False) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ kernels by reading it in place).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch import nn
 from engine.execution.attention_metadata import AttentionMetadata
 from engine.execution.model_ops import ReferenceOps
 from engine.models.config import ModelConfig
+from engine.models.weight_alloc import empty_weight
 
 # A linear-attention layer's entry in kv_caches: (conv_states [S, C, K-1],
 # states [S, Hv, Dk, Dv]); a full-attention layer's is (k_cache, v_cache).
@@ -38,11 +39,14 @@ StatePools = tuple[torch.Tensor, torch.Tensor]
 
 
 def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+    return empty_weight(shape, device, dtype)
 
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate, over the paged KV cache."""
+
+    # Multiplied by through ops.linear: a GGUF load may keep them packed.
+    linear_weights: ClassVar[tuple[str, ...]] = ("qkv_weight", "o_weight")
 
     def __init__(self, config: ModelConfig, device: torch.device | str,
                  dtype: torch.dtype) -> None:
@@ -92,6 +96,8 @@ class GatedDeltaNet(nn.Module):
     each key head's q, k, v and z (b and a) rows together; otherwise Qwen3.5's,
     in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a.
     """
+
+    linear_weights: ClassVar[tuple[str, ...]] = ("in_proj_weight", "out_weight")
 
     def __init__(self, config: ModelConfig, grouped_projection: bool,
                  device: torch.device | str, dtype: torch.dtype) -> None:

@@ -20,7 +20,8 @@ Checked token for token against transformers on the CPU
 Qwen3.5 here is the text model (Qwen3_5ForCausalLM, model.* names); the HF
 loader reads Qwen3.5's multimodal checkpoints as it (engine/loader/hf_weights.py)
 and the GGUF loader undoes llama.cpp's qwen3next / qwen35 / qwen35moe layouts
-(engine/loader/gguf_hybrid.py). MTP heads are skipped in both.
+(engine/loader/gguf_hybrid.py). Their MTP head is loaded only for --spec mtp
+(add_mtp_head, engine/models/mtp_head.py); otherwise both loaders skip it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from engine.models.config import (
 )
 from engine.models.decoder import MLP, AttentionTraits, CausalLM, experts_on_host
 from engine.models.hybrid_layers import GatedAttention, GatedDeltaNet, StatePools
+from engine.models.mtp_head import MTPHead
 from engine.models.shared_expert_moe import SharedExpertMoE
+from engine.models.weight_alloc import empty_weight
 from kernels.reference import build_rope_cache
 
 if TYPE_CHECKING:
@@ -55,7 +58,7 @@ _DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
 
 def _weight(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+    return empty_weight(shape, device, dtype)
 
 
 def _every_nth_full_attention(num_layers: int, interval: int) -> tuple[str, ...]:
@@ -145,6 +148,9 @@ class HybridCausalLM(CausalLM):
                 conv_kernel_size=int(cfg["linear_conv_kernel_dim"]),
             ),
             "partial_rotary_factor": hf_partial_rotary_factor(cfg, _DEFAULT_PARTIAL_ROTARY),
+            # Qwen3-Next names them num_nextn_predict_layers, Qwen3.5 mtp_num_hidden_layers.
+            "mtp_layers": int(cfg.get("mtp_num_hidden_layers")
+                              or cfg.get("num_nextn_predict_layers") or 0),
         }
 
     @classmethod
@@ -175,6 +181,7 @@ class HybridCausalLM(CausalLM):
                 conv_kernel_size=int(meta.get(f"{arch}.ssm.conv_kernel")),
             ),
             "partial_rotary_factor": factor,
+            "mtp_layers": int(meta.get(f"{arch}.nextn_predict_layers", 0)),
         }
 
     @classmethod
@@ -213,6 +220,22 @@ class HybridCausalLM(CausalLM):
         self.register_buffer("rope_cache", rope, persistent=False)
         self.ops: ReferenceOps = REFERENCE_OPS
         self.state_pools: RecurrentStatePools | None = None
+        self.mtp: MTPHead | None = None  # add_mtp_head(), for --spec mtp
+
+    def add_mtp_head(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Build the checkpoint's MTP head (its weights come with the rest:
+        weight_destinations names them). Its layer is gated full attention
+        with the model's kind of MLP: routed experts and a shared expert in
+        the MoE models, a dense MLP in Qwen3.5."""
+        config = self.config
+        if config.mtp_layers < 1:
+            raise ValueError(f"--spec mtp: this {config.architecture} checkpoint has no MTP "
+                             "layers (mtp.* / nextn tensors)")
+        mlp: MLP | SharedExpertMoE = (
+            SharedExpertMoE(config, self.expert_tensor_names, device, dtype)
+            if config.moe is not None else MLP(config, device, dtype))
+        layer = HybridLayer(config, GatedAttention(config, device, dtype), mlp, device, dtype)
+        self.mtp = MTPHead(config, layer, device, dtype)
 
     def _mixer(self, config: ModelConfig, layer: int, device: torch.device | str,
                dtype: torch.dtype) -> GatedAttention | GatedDeltaNet:
@@ -265,6 +288,8 @@ class HybridCausalLM(CausalLM):
             dests["lm_head.weight"] = self.lm_head
         for index, layer in enumerate(self.layers):
             dests.update(layer.weight_destinations(f"model.layers.{index}", stacked_experts))
+        if self.mtp is not None:
+            dests.update(self.mtp.weight_destinations(stacked_experts))
         return dests
 
 

@@ -16,6 +16,7 @@ from engine.execution.chunk_graphs import chunk_graph_tokens
 from engine.execution.cuda_graphs import decode_row_capacity
 from engine.execution.device_state import device_tensors, host_resident_tensors
 from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes, profile_step_peaks
+from engine.execution.kv_dtype import check_fp8_supported, kv_torch_dtype
 from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
 from engine.kv.block_hash import kv_fingerprint
@@ -35,6 +36,7 @@ from engine.process.recurrent_setup import (
 )
 from engine.sampling.draft_model import DraftModelDrafter
 from engine.sampling.drafter import Drafter, NgramDrafter
+from engine.sampling.mtp_drafter import MTPDrafter
 from engine.sampling.sampler import Sampler
 from engine.scheduling.core import EngineCore
 from engine.scheduling.scheduler import Scheduler
@@ -83,8 +85,9 @@ def build_engine(
     if config.draft_model:
         # Before any weights load: a draft of another vocabulary is refused at once.
         check_same_vocabulary(model_path, Path(config.draft_model))
-    loaded = load_model(model_path, device, dtype, progress,
-                        host_expert_layers=config.host_expert_layer_count)
+    loaded = load_model(model_path, device, dtype, progress, with_mtp=config.spec == "mtp",
+                        host_expert_layers=config.host_expert_layer_count,
+                        quantize=config.quantize, gguf_packed=config.gguf_weights == "packed")
     return assemble_engine(loaded, model_path, config, progress, emit)
 
 
@@ -101,12 +104,14 @@ def assemble_engine(
     device = _device(config)
     dtype = resolve_dtype(config)
     model = loaded.config
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    # --kv-dtype fp8: one byte an element, twice the tokens in the same memory.
+    kv_dtype = kv_torch_dtype(config.kv_dtype, dtype)
     # Only full-attention layers keep K and V in pages (a hybrid model's
     # linear-attention layers keep recurrent state: engine/process/recurrent_setup.py).
     bytes_per_token = (2 * model.num_attention_layers * model.num_kv_heads * model.head_dim
-                       * dtype_bytes)
+                       * kv_dtype.itemsize)
     use_kernels = kernels_usable(device, dtype, model)
+    check_fp8_supported(config.kv_dtype, device, dtype, use_kernels)
     if device.type == "cuda" and not use_kernels:
         log.warning("our CUDA kernels need CuPy (pip install 'roundhouse[cuda13]' or "
                     "'[cuda12]'), bfloat16 and head size 64, 128 or 256 (this model: %s, %d): "
@@ -122,7 +127,8 @@ def assemble_engine(
     decode_rows = decode_row_capacity(config.max_concurrency,
                                       config.draft_tokens if config.spec != "none" else 0)
     loaded.model.ops = make_ops(model, device, use_kernels=use_kernels,
-                                max_batch=decode_rows, max_context=served_context)
+                                max_batch=decode_rows, max_context=served_context,
+                                model=loaded.model)
     state_pools = attach_recurrent_state(loaded, config, device, dtype)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
     weights_bytes = loaded_weights_bytes(loaded)
@@ -132,6 +138,9 @@ def assemble_engine(
     draft = _load_draft(config, device, dtype, served_context, decode_rows)
     draft_weights_bytes = loaded_weights_bytes(draft) if draft is not None else 0
     draft_bytes_per_token = (draft.config.kv_bytes_per_token(dtype) if draft is not None else 0)
+    # An MTP head's attention layer keeps K/V in pages of its own, one per target page.
+    if config.spec == "mtp":
+        draft_bytes_per_token = MTPDrafter.kv_bytes_per_token(loaded.model, dtype)
     headroom_bytes = config.kv_headroom_mib * 2**20
     expert_cache_bytes = config.expert_cache_mib * 2**20
     if expert_cache_bytes and device.type != "cuda":
@@ -164,11 +173,11 @@ def assemble_engine(
         device_budget_bytes=budget,
     )
     plan = dataclasses.replace(plan, bytes_per_token=bytes_per_token)
-    drafter = _drafter(config, draft, plan, device, model.vocab_size)
+    drafter = _drafter(config, draft, plan, device, model.vocab_size, loaded)
     log.info(
         "KV pool: %d pages of %d tokens (%d tokens, %.1f MiB, %s), context %d, %d lanes",
         plan.num_pages, plan.page_size, plan.capacity_tokens, plan.total_bytes / 2**20,
-        dtype, plan.max_context, config.max_concurrency,
+        kv_dtype, plan.max_context, config.max_concurrency,
     )
     host_plan = _plan_host_tier(config, plan, device)
     no_disk = state_pools is not None and without_disk_tier(config, model.architecture)
@@ -182,8 +191,12 @@ def assemble_engine(
         max_batch=config.max_concurrency, max_context=plan.max_context,
         max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
         host_kv_slots=host_plan.num_slots, decode_rows=decode_rows,
-        expert_cache_bytes=expert_cache_bytes if use_kernels else 0,
+        expert_cache_bytes=expert_cache_bytes if use_kernels else 0, kv_dtype=kv_dtype,
+        keep_hidden=isinstance(drafter, MTPDrafter),
     )
+    if isinstance(drafter, MTPDrafter):
+        runner.mtp = drafter
+        drafter.enable_graphs(runner.graphs)
     if cuda_graph and isinstance(drafter, DraftModelDrafter) \
             and isinstance(drafter.model.ops, CudaOps):
         _capture_draft_graphs(drafter, config, decode_rows, plan.max_context, device)
@@ -195,6 +208,8 @@ def assemble_engine(
                  host_plan.limit_bytes / 2**20)
     # The ledger's KV figure includes a hybrid model's recurrent state and checkpoints.
     state_bytes = state_pools.nbytes if state_pools is not None else 0
+    if isinstance(drafter, MTPDrafter):
+        state_bytes += drafter.kv_bytes
     if device.type == "cuda":
         ledger = _ledger(runner, peaks, plan.total_bytes + state_bytes, plan.num_pages,
                          plan.capacity_tokens,
@@ -208,7 +223,9 @@ def assemble_engine(
                              kv_bytes=plan.total_bytes + state_bytes + draft_kv_bytes,
                              host_weights_bytes=host_weights_bytes)
     fingerprint = kv_fingerprint(
-        str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size
+        str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size,
+        # Named only when it differs, so bf16 pools keep the hashes they had.
+        *(() if kv_dtype == dtype else (str(kv_dtype),)),
     )
     host_tier = (HostTier(host_plan.num_slots, plan.page_size, host_plan.page_bytes)
                  if host_plan.num_slots else None)
@@ -234,6 +251,10 @@ def assemble_engine(
     if config.spec == "ngram":
         log.info("speculative decoding: %s, up to %d draft tokens per step, n-grams %d..%d",
                  config.spec, config.draft_tokens, config.spec_ngram_min, config.spec_ngram_max)
+    elif isinstance(drafter, MTPDrafter):
+        log.info("speculative decoding: the checkpoint's MTP head, up to %d draft tokens per "
+                 "step, its K/V %d pages (%.1f MiB)", config.draft_tokens, plan.num_pages,
+                 drafter.kv_bytes / 2**20)
     elif draft is not None:
         log.info("speculative decoding: draft model %s (%d layers, %d hidden), up to %d draft "
                  "tokens per step, its KV pool %d pages (%.1f MiB)", config.draft_model,
@@ -290,7 +311,8 @@ def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,
             f"tokens of context, less than the {served_context} served: lower --max-context")
     draft.model.ops = make_ops(draft.config, device,
                                use_kernels=kernels_usable(device, dtype, draft.config),
-                               max_batch=decode_rows, max_context=served_context)
+                               max_batch=decode_rows, max_context=served_context,
+                               model=draft.model)
     return draft
 
 
@@ -308,9 +330,16 @@ def _capture_draft_graphs(drafter: DraftModelDrafter, config: EngineOptions,
 
 
 def _drafter(config: EngineOptions, draft: LoadedModel | None, plan: KvPlan,
-             device: torch.device, target_vocab: int) -> Drafter | None:
+             device: torch.device, target_vocab: int, target: LoadedModel) -> Drafter | None:
     if config.spec == "ngram":
         return NgramDrafter(config.spec_ngram_min, config.spec_ngram_max)
+    if config.spec == "mtp":
+        if not target.config.has_recurrent_state:
+            raise ValueError("--spec mtp drafts with the MTP head of Qwen3-Next and Qwen3.5 "
+                             f"checkpoints; {target.config.architecture} has none")
+        return MTPDrafter(target.model, num_pages=plan.num_pages, page_size=plan.page_size,
+                          lanes=config.max_concurrency, max_tokens=config.draft_tokens,
+                          vocab_limit=target_vocab, device=device)
     if draft is None:
         return None
     return DraftModelDrafter(draft.model, num_pages=plan.num_pages, page_size=plan.page_size,

@@ -6,8 +6,8 @@ A drafter sees only token ids the host knows (the prompt and the output so
 far, no placeholder) and proposes up to a given number of tokens; an empty
 proposal means "decode this row as usual". A draft model
 (engine/sampling/draft_model.py) keeps state per sequence and drafts a step's
-rows together (BatchDrafter); drafters that come later (MTP or EAGLE heads)
-answer the same calls.
+rows together (BatchDrafter); so does a checkpoint's MTP head
+(engine/sampling/mtp_drafter.py), from the target's hidden states.
 
 Rows whose next token is drawn from the model's logits as they come (greedy,
 or sampled with temperature, top-k, top-p and min-p) may draft (may_draft);
@@ -57,6 +57,10 @@ class DraftRow:
     key: str  # the request id, which keys what the drafter keeps per sequence
     token_ids: Sequence[int]
     max_tokens: int
+    # The sequence's lane and page table (an MTP head keeps its state by
+    # lane and writes K/V in the target's pages: engine/sampling/mtp_drafter.py).
+    lane: int = -1
+    pages: Sequence[int] = ()
 
 
 class BatchDrafter(Drafter, Protocol):

@@ -461,6 +461,8 @@ class EngineCore:
                 seqs = [sampling[row] for row in put_off]
                 mask = self.forced.force(self.grammar.fill(seqs), seqs)
                 parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
+            # MTP drafting's head runs over the step's rows (all sampled now).
+            self.runner.after_sampling(out, forward)
             launched = self._launched(out, parts, forward, launched_at)
             self.step_count += 1
         self._in_flight = launched

@@ -372,8 +372,14 @@ class Scheduler:
             if not self._drafts_now(seq):
                 continue
             limit = min(self._draft_limit(seq), budget)
+            # A drafter that writes K/V in the target's pages (an MTP head)
+            # needs them for the whole verify step before it drafts.
+            if limit > 0 and getattr(self.drafter, "needs_pages", False) \
+                    and not self.kv.try_grow(seq, chunk.start + 1 + limit):
+                continue
             if limit > 0:
-                rows.append(DraftRow(seq.request_id, seq.token_ids, limit))
+                rows.append(DraftRow(seq.request_id, seq.token_ids, limit,
+                                     lane=self.lanes.index_of(seq), pages=seq.block_table))
                 budget -= limit
         drafts = self.drafter.propose_batch(rows) if rows else []  # type: ignore[union-attr]
         return {row.key: draft for row, draft in zip(rows, drafts, strict=True)}

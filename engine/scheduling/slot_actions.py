@@ -58,14 +58,14 @@ class SlotActions:
     @cached_property
     def kv_format(self) -> bytes:
         runner, config = self.runner, self.runner.config
-        return format_digest(str(runner.dtype), runner.page_size, config.num_attention_layers,
+        return format_digest(str(runner.kv_dtype), runner.page_size, config.num_attention_layers,
                              config.num_kv_heads, config.head_dim)
 
     @cached_property
     def page_bytes(self) -> int:
         runner, config = self.runner, self.runner.config
         return (2 * config.num_attention_layers * runner.page_size * config.num_kv_heads
-                * config.head_dim * runner.dtype.itemsize)
+                * config.head_dim * runner.kv_dtype.itemsize)
 
     def handle(self, command: SlotCommand) -> None:
         lanes = self.scheduler.lanes

@@ -1,5 +1,5 @@
-// Paged decode attention: one query token per sequence over a paged bf16 KV
-// cache, grouped-query heads, split-K over the context. Semantics are those of
+// Paged decode attention: one query token per sequence over a paged bf16 (or
+// fp8 e4m3: the _fp8 kernels) KV cache, grouped-query heads, split-K over the context. Semantics are those of
 // kernels.reference.paged_attention with q_len = 1 per row.
 //
 // Work split. A CTA (4 warps) owns one (batch row b, kv head, split s) (at
@@ -64,6 +64,48 @@ __device__ __forceinline__ uint4 load_16b(const __nv_bfloat16* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// An fp8 KV cache (--kv-dtype fp8) holds float8 e4m3 bytes. A lane reads 8
+// of them where it would read 8 bf16 (8 bytes instead of 16) and widens them
+// to the same bf16 fragment registers, value * scale (widen_e4m3x2). A bf16
+// cache's registers pass through untouched, so its kernels are as before.
+__device__ __forceinline__ uint4 load_row8(const __nv_bfloat16* p) { return load_16b(p); }
+
+__device__ __forceinline__ uint2 load_row8(const unsigned char* p) {
+    return __ldg(reinterpret_cast<const uint2*>(p));
+}
+
+__device__ __forceinline__ uint4 as_bf16x8(const uint4& v, float) { return v; }
+
+// Two e4m3 codes, in bytes 1 and 3 of `spread` (the other bytes zero), to
+// bf16x2 of value * scale (the byte-1 code in the low half); mul = scale * 2^8.
+// e4m3 is fp16 with a 4-bit exponent: a code's sign moved to bit 15 and its
+// other 7 bits to bits 7..13 make the fp16 of value * 2^-8 exactly, e4m3's
+// subnormals as fp16 subnormals, and fp16 -> float is exact. So the float
+// product rounds once, as torch's (value * scale) does. Not float bits
+// holding value * 2^-120: e4m3's subnormals would be float subnormals there,
+// and CuPy compiles every kernel with -ftz=true, which flushes them to zero
+// in the multiply. Codes 0x7f / 0xff (NaN) read as +-480 * scale; the
+// writers never store them (they saturate).
+__device__ __forceinline__ unsigned widen_e4m3x2(unsigned spread, float mul) {
+    const unsigned half2 = (spread & 0x80008000u) | ((spread >> 1) & 0x3f803f80u);
+    float low;
+    float high;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(low), "=f"(high)
+        : "r"(half2));
+    return pack_bf16x2(low * mul, high * mul);
+}
+
+// 8 e4m3 codes (byte i of the row chunk = element i) to bf16 fragment words.
+__device__ __forceinline__ uint4 as_bf16x8(const uint2& v, float mul) {
+    // __byte_perm selector 0x1404: bytes 0, 1 of a word into bytes 1, 3 (zeros
+    // elsewhere); 0x3424: bytes 2, 3.
+    return make_uint4(widen_e4m3x2(__byte_perm(v.x, 0u, 0x1404u), mul),
+                      widen_e4m3x2(__byte_perm(v.x, 0u, 0x3424u), mul),
+                      widen_e4m3x2(__byte_perm(v.y, 0u, 0x1404u), mul),
+                      widen_e4m3x2(__byte_perm(v.y, 0u, 0x3424u), mul));
+}
+
 __device__ __forceinline__ unsigned word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -84,13 +126,16 @@ __device__ __forceinline__ long long token_row(const int* table, int token, int 
 // where a CTA cannot hold 16 heads' accumulators in registers (nor their
 // 64 KB of merge buffers in static shared memory); HT = 1 compiles to the
 // one-CTA-per-split kernel.
-template <int D, int NT, int HT>
+template <int D, int NT, int HT, typename Cache>
 __device__ __forceinline__ void decode_split(
     __nv_bfloat16* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_stats, const __nv_bfloat16* __restrict__ q,
-    const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
+    const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2,
-    int num_kv_heads, int group, int page_shift, int table_stride, int num_splits) {
+    int num_kv_heads, int group, int page_shift, int table_stride, int num_splits, float k_mul,
+    float v_mul) {
+    // A row's 8 cache values as loaded (uint4 of bf16, uint2 of e4m3).
+    using Raw = decltype(load_row8(k_cache));
     constexpr int kChunks = D / 32;   // 32-wide head-dim chunks: a lane quad reads one per row
     constexpr int kRowTiles = D / 16; // m16 tiles of O^T
     constexpr int kHeads = 8 * NT;
@@ -120,8 +165,8 @@ __device__ __forceinline__ void decode_split(
     const int t = lane & 3;   // lane within the quad
     const long long row_elems = static_cast<long long>(num_kv_heads) * D;
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
-    const __nv_bfloat16* k_base = k_cache + kv_head * D + t * 8;
-    const __nv_bfloat16* v_base = v_cache + kv_head * D + t * 8;
+    const Cache* k_base = k_cache + kv_head * D + t * 8;
+    const Cache* v_base = v_cache + kv_head * D + t * 8;
 
     // Q^T B fragments, head dim in the same order as the K A fragments.
     unsigned q_frag[NT][kChunks][4];
@@ -167,17 +212,17 @@ __device__ __forceinline__ void decode_split(
         long long off0 = token_row(table, min(tile * kTileTokens + g, last), page_shift, row_elems);
         long long off1 =
             token_row(table, min(tile * kTileTokens + 8 + g, last), page_shift, row_elems);
-        uint4 k_regs[2][kChunks];
-        uint4 v_regs[2][kChunks];
+        Raw k_regs[2][kChunks];
+        Raw v_regs[2][kChunks];
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-            k_regs[0][c] = load_16b(k_base + off0 + 32 * c);
-            k_regs[1][c] = load_16b(k_base + off1 + 32 * c);
+            k_regs[0][c] = load_row8(k_base + off0 + 32 * c);
+            k_regs[1][c] = load_row8(k_base + off1 + 32 * c);
         }
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-            v_regs[0][c] = load_16b(v_base + off0 + 32 * c);
-            v_regs[1][c] = load_16b(v_base + off1 + 32 * c);
+            v_regs[0][c] = load_row8(v_base + off0 + 32 * c);
+            v_regs[1][c] = load_row8(v_base + off1 + 32 * c);
         }
         while (true) {
             const int next = tile + tile_step;
@@ -199,12 +244,14 @@ __device__ __forceinline__ void decode_split(
             }
 #pragma unroll
             for (int c = 0; c < kChunks; ++c) {
+                const uint4 k0 = as_bf16x8(k_regs[0][c], k_mul);
+                const uint4 k1 = as_bf16x8(k_regs[1][c], k_mul);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const unsigned a0 = word(k_regs[0][c], 2 * h);
-                    const unsigned a1 = word(k_regs[1][c], 2 * h);
-                    const unsigned a2 = word(k_regs[0][c], 2 * h + 1);
-                    const unsigned a3 = word(k_regs[1][c], 2 * h + 1);
+                    const unsigned a0 = word(k0, 2 * h);
+                    const unsigned a1 = word(k1, 2 * h);
+                    const unsigned a2 = word(k0, 2 * h + 1);
+                    const unsigned a3 = word(k1, 2 * h + 1);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         mma_bf16(score[nt], a0, a1, a2, a3, q_frag[nt][c][2 * h],
@@ -217,8 +264,8 @@ __device__ __forceinline__ void decode_split(
             if (has_next) {
 #pragma unroll
                 for (int c = 0; c < kChunks; ++c) {
-                    k_regs[0][c] = load_16b(k_base + next0 + 32 * c);
-                    k_regs[1][c] = load_16b(k_base + next1 + 32 * c);
+                    k_regs[0][c] = load_row8(k_base + next0 + 32 * c);
+                    k_regs[1][c] = load_row8(k_base + next1 + 32 * c);
                 }
             }
 
@@ -263,12 +310,14 @@ __device__ __forceinline__ void decode_split(
             // piece (rows: d 32c + 8(row/2) + 2j + row%2, cols: tokens 2t..).
 #pragma unroll
             for (int c = 0; c < kChunks; ++c) {
+                const uint4 v0 = as_bf16x8(v_regs[0][c], v_mul);
+                const uint4 v1 = as_bf16x8(v_regs[1][c], v_mul);
                 unsigned lo[4];
                 unsigned hi[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    lo[j] = transpose_8x8(word(v_regs[0][c], j));
-                    hi[j] = transpose_8x8(word(v_regs[1][c], j));
+                    lo[j] = transpose_8x8(word(v0, j));
+                    hi[j] = transpose_8x8(word(v1, j));
                 }
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
@@ -282,8 +331,8 @@ __device__ __forceinline__ void decode_split(
             if (!has_next) break;
 #pragma unroll
             for (int c = 0; c < kChunks; ++c) {
-                v_regs[0][c] = load_16b(v_base + next0 + 32 * c);
-                v_regs[1][c] = load_16b(v_base + next1 + 32 * c);
+                v_regs[0][c] = load_row8(v_base + next0 + 32 * c);
+                v_regs[1][c] = load_row8(v_base + next1 + 32 * c);
             }
             tile = next;
             off0 = next0;
@@ -375,7 +424,22 @@ __device__ __forceinline__ void decode_split(
         int num_splits) {                                                                     \
         decode_split<D, NT, HT>(out, part_out, part_stats, q, k_cache, v_cache, block_tables,  \
                             seq_lens, scale_log2, num_kv_heads, group, page_shift,             \
-                            table_stride, num_splits);                                         \
+                            table_stride, num_splits, 1.0f, 1.0f);                             \
+    }
+
+// The fp8 cache's kernels (NAME_fp8): e4m3 caches, read as value * k_scale /
+// v_scale; k_mul = k_scale * 2^8, v_mul = v_scale * 2^8 (widen_e4m3x2).
+#define DECODE_SPLIT_FP8_KERNEL(NAME, D, NT, HT)                                               \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_fp8(                         \
+        __nv_bfloat16* __restrict__ out, float* __restrict__ part_out,                         \
+        float* __restrict__ part_stats, const __nv_bfloat16* __restrict__ q,                  \
+        const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache, \
+        const int* __restrict__ block_tables, const int* __restrict__ seq_lens,              \
+        float scale_log2, int num_kv_heads, int group, int page_shift, int table_stride,      \
+        int num_splits, float k_mul, float v_mul) {                                           \
+        decode_split<D, NT, HT>(out, part_out, part_stats, q, k_cache, v_cache, block_tables,  \
+                            seq_lens, scale_log2, num_kv_heads, group, page_shift,             \
+                            table_stride, num_splits, k_mul, v_mul);                           \
     }
 
 DECODE_SPLIT_KERNEL(paged_decode_d64_g8, 64, 1, 1)
@@ -387,6 +451,12 @@ DECODE_SPLIT_KERNEL(paged_decode_d128_g16, 128, 2, 1)
 // CTAs a split (HT = 2) rather than NT = 2, which would need ~320 registers.
 DECODE_SPLIT_KERNEL(paged_decode_d256_g8, 256, 1, 1)
 DECODE_SPLIT_KERNEL(paged_decode_d256_g16, 256, 1, 2)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d64_g8, 64, 1, 1)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d64_g16, 64, 2, 1)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d128_g8, 128, 1, 1)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d128_g16, 128, 2, 1)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d256_g8, 256, 1, 1)
+DECODE_SPLIT_FP8_KERNEL(paged_decode_d256_g16, 256, 1, 2)
 
 // Log-sum-exp merge of the splits that had work. Grid (Hq, B), block
 // min(head_dim, 128) (the threads stride over the head dim).

@@ -47,6 +47,44 @@ __device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
     h[i] = x;
 }
 
+// An fp8 KV cache (--kv-dtype fp8) holds float8 e4m3 bytes: x / scale rounded
+// to nearest even and saturated at +-448 (e4m3's largest finite value), as
+// torch's (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn). Done
+// in integer steps, not with cuda_fp8.h: the same on every architecture and
+// nothing included beyond cuda_bf16.h. (NaN saturates to 448 here.)
+__device__ __forceinline__ unsigned float_to_e4m3(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fminf(fabsf(x), 448.0f);
+    unsigned code;
+    if (a < 0.015625f) {
+        // Below 2^-6, e4m3's subnormals: steps of 2^-9 (8 steps reach the
+        // smallest normal, whose code is 8 as well).
+        code = static_cast<unsigned>(__float2int_rn(a * 512.0f));
+    } else {
+        // Round the 23-bit mantissa to 3 bits (nearest even; a carry moves
+        // into the exponent), then rebias the exponent from 127 to 7.
+        unsigned bits = __float_as_uint(a);
+        bits += 0x7ffffu + ((bits >> 20) & 1u);
+        code = (bits >> 20) - (120u << 3);
+    }
+    return sign | code;
+}
+
+// A cache row's 8 values (bf16, as computed) into the cache at p: as they
+// are for a bf16 cache, as e4m3(x / scale) bytes for an fp8 one.
+__device__ __forceinline__ void store_cache(__nv_bfloat16* p, const uint4& v, float) {
+    store_vec(p, v);
+}
+
+__device__ __forceinline__ void store_cache(unsigned char* p, const uint4& v, float scale) {
+    unsigned words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        words[i >> 2] |= float_to_e4m3(__fdiv_rn(vec_get(v, i), scale)) << (8 * (i & 3));
+    }
+    *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
+}
+
 __device__ __forceinline__ float round_bf16(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -111,14 +149,15 @@ __device__ __forceinline__ uint4 shfl_xor_vec(unsigned mask, const uint4& v, int
                       __shfl_xor_sync(mask, v.z, offset), __shfl_xor_sync(mask, v.w, offset));
 }
 
-template <int D>
+template <int D, typename Cache>
 __device__ __forceinline__ void gated_rope_and_cache(
-    __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
-    __nv_bfloat16* __restrict__ v_cache, const __nv_bfloat16* __restrict__ projected,
+    __nv_bfloat16* __restrict__ q_out, Cache* __restrict__ k_cache,
+    Cache* __restrict__ v_cache, const __nv_bfloat16* __restrict__ projected,
     const long long* __restrict__ positions, const __nv_bfloat16* __restrict__ cos_sin_cache,
     const long long* __restrict__ slot_mapping, const __nv_bfloat16* __restrict__ q_norm_weight,
     const __nv_bfloat16* __restrict__ k_norm_weight, int tokens, int num_heads,
-    int num_kv_heads, int rotary_dim, int max_positions, long long num_slots, float eps) {
+    int num_kv_heads, int rotary_dim, int max_positions, long long num_slots, float eps,
+    float k_scale, float v_scale) {
     constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (128) or 4 (64)
     static_assert(kGroup <= 32, "a head's threads share one warp (the shuffles)");
     constexpr int kHalf = D / 2;
@@ -154,11 +193,10 @@ __device__ __forceinline__ void gated_rope_and_cache(
 
     if (head >= num_heads + num_kv_heads) {  // v: a straight copy
         if (slot >= 0) {
-            __nv_bfloat16* dst = v_cache +
-                                 (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
-                                 j * 8;
-            store_vec(dst, lo);
-            store_vec(dst + kHalf, hi);
+            Cache* dst = v_cache + (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
+                         j * 8;
+            store_cache(dst, lo, v_scale);
+            store_cache(dst + kHalf, hi, v_scale);
         }
         return;
     }
@@ -206,15 +244,15 @@ __device__ __forceinline__ void gated_rope_and_cache(
         }
     }
 
-    __nv_bfloat16* dst;
     if (is_q) {
-        dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
-    } else {
-        if (slot < 0) return;
-        dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+        __nv_bfloat16* dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
+        store_vec(dst, lo);
+        store_vec(dst + kHalf, hi);
+    } else if (slot >= 0) {
+        Cache* dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+        store_cache(dst, lo, k_scale);
+        store_cache(dst + kHalf, hi, k_scale);
     }
-    store_vec(dst, lo);
-    store_vec(dst + kHalf, hi);
 }
 
 // torch's CUDA sigmoid: 1 / (1 + exp(-x)) in float32, rounded to bf16.
@@ -236,13 +274,32 @@ __device__ __forceinline__ float sigmoid_bf16(float x) {
         long long num_slots, float eps) {                                                       \
         gated_rope_and_cache<D>(q_out, k_cache, v_cache, projected, positions, cos_sin_cache,   \
                                 slot_mapping, q_norm_weight, k_norm_weight, tokens, num_heads,  \
-                                num_kv_heads, rotary_dim, max_positions, num_slots, eps);       \
+                                num_kv_heads, rotary_dim, max_positions, num_slots, eps, 1.0f,  \
+                                1.0f);                                                          \
+    }
+
+// The fp8 cache's kernels: k_cache / v_cache hold e4m3 bytes (rope_cache.cu's).
+#define ROUNDHOUSE_GATED_ROPE_FP8_KERNEL(D)                                                     \
+    extern "C" __global__ void gated_rope_and_cache_d##D##_fp8(                                 \
+        __nv_bfloat16* q_out, unsigned char* k_cache, unsigned char* v_cache,                   \
+        const __nv_bfloat16* projected, const long long* positions,                             \
+        const __nv_bfloat16* cos_sin_cache, const long long* slot_mapping,                      \
+        const __nv_bfloat16* q_norm_weight, const __nv_bfloat16* k_norm_weight, int tokens,     \
+        int num_heads, int num_kv_heads, int rotary_dim, int max_positions,                     \
+        long long num_slots, float eps, float k_scale, float v_scale) {                         \
+        gated_rope_and_cache<D>(q_out, k_cache, v_cache, projected, positions, cos_sin_cache,   \
+                                slot_mapping, q_norm_weight, k_norm_weight, tokens, num_heads,  \
+                                num_kv_heads, rotary_dim, max_positions, num_slots, eps,        \
+                                k_scale, v_scale);                                              \
     }
 
 ROUNDHOUSE_GATED_ROPE_KERNEL(64)
 ROUNDHOUSE_GATED_ROPE_KERNEL(128)
 // D = 256: Qwen3-Next's and Qwen3.5's full-attention layers (R = 64).
 ROUNDHOUSE_GATED_ROPE_KERNEL(256)
+ROUNDHOUSE_GATED_ROPE_FP8_KERNEL(64)
+ROUNDHOUSE_GATED_ROPE_FP8_KERNEL(128)
+ROUNDHOUSE_GATED_ROPE_FP8_KERNEL(256)
 
 // The output gate: out[t, h, :] = bf16(attn[t, h, :] * bf16(sigmoid(gate[t, h, :]))),
 // as torch's bf16 ops (sigmoid rounded to bf16, then the bf16 product). attn,

@@ -93,6 +93,56 @@ __device__ __forceinline__ unsigned pack_bf16x2(float low, float high) {
     return *reinterpret_cast<unsigned*>(&pair);
 }
 
+// An fp8 KV cache (--kv-dtype fp8) holds float8 e4m3 bytes; its tiles are
+// widened to bf16 (value * scale) on the way into shared memory, so the
+// tiles and all the math are a bf16 cache's.
+//
+// Two e4m3 codes, in bytes 1 and 3 of `spread` (the other bytes zero), to
+// bf16x2 of value * scale (the byte-1 code in the low half); mul = scale * 2^8.
+// e4m3 is fp16 with a 4-bit exponent: a code's sign moved to bit 15 and its
+// other 7 bits to bits 7..13 make the fp16 of value * 2^-8 exactly, e4m3's
+// subnormals as fp16 subnormals, and fp16 -> float is exact. So the float
+// product rounds once, as torch's (value * scale) does. Not float bits
+// holding value * 2^-120: e4m3's subnormals would be float subnormals there,
+// and CuPy compiles every kernel with -ftz=true, which flushes them to zero
+// in the multiply. Codes 0x7f / 0xff (NaN) read as +-480 * scale; the
+// writers never store them (they saturate).
+__device__ __forceinline__ unsigned widen_e4m3x2(unsigned spread, float mul) {
+    const unsigned half2 = (spread & 0x80008000u) | ((spread >> 1) & 0x3f803f80u);
+    float low;
+    float high;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(low), "=f"(high)
+        : "r"(half2));
+    return pack_bf16x2(low * mul, high * mul);
+}
+
+// 8 e4m3 codes (byte i of the row chunk = element i) to 8 bf16.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v, float mul) {
+    // __byte_perm selector 0x1404: bytes 0, 1 of a word into bytes 1, 3 (zeros
+    // elsewhere); 0x3424: bytes 2, 3.
+    return make_uint4(widen_e4m3x2(__byte_perm(v.x, 0u, 0x1404u), mul),
+                      widen_e4m3x2(__byte_perm(v.x, 0u, 0x3424u), mul),
+                      widen_e4m3x2(__byte_perm(v.y, 0u, 0x1404u), mul),
+                      widen_e4m3x2(__byte_perm(v.y, 0u, 0x3424u), mul));
+}
+
+__device__ __forceinline__ void store_shared_16(unsigned address, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+template <typename Cache>
+struct IsFp8Cache {
+    static constexpr bool value = false;
+};
+
+template <>
+struct IsFp8Cache<unsigned char> {
+    static constexpr bool value = true;
+};
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -127,13 +177,13 @@ struct Shape {
     static_assert(Warps * MTiles * 16 == kBlockM, "warps cover the row tile");
 };
 
-template <class Cfg>
+template <class Cfg, typename Cache>
 __device__ __forceinline__ void prefill_attention(
     unsigned char* smem, __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ q,
-    const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
+    const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
     const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int num_q_heads, int num_kv_heads, int num_pages,
-    int page_shift, int max_pages, float scale_log2) {
+    int page_shift, int max_pages, float scale_log2, float k_mul, float v_mul) {
     constexpr int D = Cfg::kD;
     constexpr int kThreads = Cfg::kThreads;
     constexpr int kMTiles = Cfg::kMTiles;
@@ -204,26 +254,60 @@ __device__ __forceinline__ void prefill_attention(
     const int load_chunk = tid % kChunks;
     const int load_row = tid / kChunks;
     const int page_mask = (1 << page_shift) - 1;
+    constexpr int kLoadPasses = kBlockN * kChunks / kThreads;
     auto load_tile = [&](int tile, int stage) {
         const unsigned k_stage = smem_kv + stage * 2 * kTileBytes;
         const unsigned v_stage = k_stage + kTileBytes;
         const int n0 = tile * kBlockN;
+        if constexpr (IsFp8Cache<Cache>::value) {
+            // NOTE: no cp.async for a conversion on the way: every load of
+            // the tile is issued first, then widened and stored, so a tile
+            // costs one memory latency (not overlapped with the math as a
+            // bf16 cache's gather is).
+            uint2 k_raw[kLoadPasses];
+            uint2 v_raw[kLoadPasses];
+            unsigned destination[kLoadPasses];
 #pragma unroll
-        for (int pass = 0; pass < kBlockN * kChunks / kThreads; ++pass) {
-            const int row = load_row + pass * (kThreads / kChunks);
-            const int key = n0 + row;
-            int page = -1;
-            if (key < kv_len) page = table[key >> page_shift];
-            // A page id outside the cache (malformed table) reads zeros, not memory.
-            const bool valid = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
-            const long long offset =
-                valid ? ((static_cast<long long>(page) << page_shift) + (key & page_mask)) *
-                                token_stride +
-                            kv_head * D + load_chunk * 8
-                      : 0;
-            const unsigned destination = tile_offset<D>(row, load_chunk);
-            copy_async_16(k_stage + destination, k_cache + offset, valid);
-            copy_async_16(v_stage + destination, v_cache + offset, valid);
+            for (int pass = 0; pass < kLoadPasses; ++pass) {
+                const int row = load_row + pass * (kThreads / kChunks);
+                const int key = n0 + row;
+                int page = -1;
+                if (key < kv_len) page = table[key >> page_shift];
+                const bool valid = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+                k_raw[pass] = v_raw[pass] = make_uint2(0u, 0u);  // zeros: e4m3 0
+                if (valid) {
+                    const long long offset =
+                        ((static_cast<long long>(page) << page_shift) + (key & page_mask)) *
+                            token_stride +
+                        kv_head * D + load_chunk * 8;
+                    k_raw[pass] = __ldg(reinterpret_cast<const uint2*>(k_cache + offset));
+                    v_raw[pass] = __ldg(reinterpret_cast<const uint2*>(v_cache + offset));
+                }
+                destination[pass] = tile_offset<D>(row, load_chunk);
+            }
+#pragma unroll
+            for (int pass = 0; pass < kLoadPasses; ++pass) {
+                store_shared_16(k_stage + destination[pass], e4m3x8_to_bf16x8(k_raw[pass], k_mul));
+                store_shared_16(v_stage + destination[pass], e4m3x8_to_bf16x8(v_raw[pass], v_mul));
+            }
+        } else {
+#pragma unroll
+            for (int pass = 0; pass < kLoadPasses; ++pass) {
+                const int row = load_row + pass * (kThreads / kChunks);
+                const int key = n0 + row;
+                int page = -1;
+                if (key < kv_len) page = table[key >> page_shift];
+                // A page id outside the cache (malformed table) reads zeros, not memory.
+                const bool valid = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+                const long long offset =
+                    valid ? ((static_cast<long long>(page) << page_shift) + (key & page_mask)) *
+                                    token_stride +
+                                kv_head * D + load_chunk * 8
+                          : 0;
+                const unsigned destination = tile_offset<D>(row, load_chunk);
+                copy_async_16(k_stage + destination, k_cache + offset, valid);
+                copy_async_16(v_stage + destination, v_cache + offset, valid);
+            }
         }
     };
 
@@ -506,7 +590,23 @@ __device__ __forceinline__ void prefill_attention(
         extern __shared__ __align__(128) unsigned char smem[];                               \
         prefill_attention<__VA_ARGS__>(smem, out, q, k_cache, v_cache, query_start_loc,      \
                                        seq_lens, block_tables, num_q_heads, num_kv_heads,    \
-                                       num_pages, page_shift, max_pages, scale_log2);        \
+                                       num_pages, page_shift, max_pages, scale_log2, 1.0f,   \
+                                       1.0f);                                                \
+    }                                                                                        \
+    /* The fp8 cache's kernel: e4m3 caches, k_mul = k_scale * 2^8, v_mul likewise. */       \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__::kThreads, MIN_BLOCKS)          \
+        NAME##_fp8(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ q,     \
+                   const unsigned char* __restrict__ k_cache,                                \
+                   const unsigned char* __restrict__ v_cache,                                \
+                   const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, \
+                   const int* __restrict__ block_tables, int num_q_heads, int num_kv_heads,  \
+                   int num_pages, int page_shift, int max_pages, float scale_log2,           \
+                   float k_mul, float v_mul) {                                               \
+        extern __shared__ __align__(128) unsigned char smem[];                               \
+        prefill_attention<__VA_ARGS__>(smem, out, q, k_cache, v_cache, query_start_loc,      \
+                                       seq_lens, block_tables, num_q_heads, num_kv_heads,    \
+                                       num_pages, page_shift, max_pages, scale_log2, k_mul,  \
+                                       v_mul);                                               \
     }
 
 // Two shapes per head dim (the wrapper picks by grid size):

@@ -1,5 +1,6 @@
 // Rotary embedding fused with the paged KV-cache write, with Qwen3's per-head
-// q/k RMSNorm before the rotation. bf16 everywhere, float32 arithmetic.
+// q/k RMSNorm before the rotation. bf16 everywhere, float32 arithmetic; the
+// cache is bf16 or fp8 (float8 e4m3 with per-tensor scales: the _fp8 kernels).
 //
 // qkv: [T, (Hq + 2 Hkv) * D], per token the q heads, then the k heads, then
 // the v heads, each D contiguous values. For every (token, head):
@@ -44,6 +45,44 @@ __device__ __forceinline__ float vec_get(const uint4& v, int i) {
 __device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
     __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
     h[i] = x;
+}
+
+// An fp8 KV cache (--kv-dtype fp8) holds float8 e4m3 bytes: x / scale rounded
+// to nearest even and saturated at +-448 (e4m3's largest finite value), as
+// torch's (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn). Done
+// in integer steps, not with cuda_fp8.h: the same on every architecture and
+// nothing included beyond cuda_bf16.h. (NaN saturates to 448 here.)
+__device__ __forceinline__ unsigned float_to_e4m3(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fminf(fabsf(x), 448.0f);
+    unsigned code;
+    if (a < 0.015625f) {
+        // Below 2^-6, e4m3's subnormals: steps of 2^-9 (8 steps reach the
+        // smallest normal, whose code is 8 as well).
+        code = static_cast<unsigned>(__float2int_rn(a * 512.0f));
+    } else {
+        // Round the 23-bit mantissa to 3 bits (nearest even; a carry moves
+        // into the exponent), then rebias the exponent from 127 to 7.
+        unsigned bits = __float_as_uint(a);
+        bits += 0x7ffffu + ((bits >> 20) & 1u);
+        code = (bits >> 20) - (120u << 3);
+    }
+    return sign | code;
+}
+
+// A cache row's 8 values (bf16, as computed) into the cache at p: as they
+// are for a bf16 cache, as e4m3(x / scale) bytes for an fp8 one.
+__device__ __forceinline__ void store_cache(__nv_bfloat16* p, const uint4& v, float) {
+    store_vec(p, v);
+}
+
+__device__ __forceinline__ void store_cache(unsigned char* p, const uint4& v, float scale) {
+    unsigned words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        words[i >> 2] |= float_to_e4m3(__fdiv_rn(vec_get(v, i), scale)) << (8 * (i & 3));
+    }
+    *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
 }
 
 // float -> bf16 -> float: what torch does after every bf16 elementwise op
@@ -101,14 +140,15 @@ __device__ __forceinline__ void rotate(uint4& lo, uint4& hi, const uint4& cos, c
     }
 }
 
-template <int D>
+template <int D, typename Cache>
 __device__ __forceinline__ void rope_and_cache(
-    __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
-    __nv_bfloat16* __restrict__ v_cache, const __nv_bfloat16* __restrict__ qkv,
+    __nv_bfloat16* __restrict__ q_out, Cache* __restrict__ k_cache,
+    Cache* __restrict__ v_cache, const __nv_bfloat16* __restrict__ qkv,
     const long long* __restrict__ positions, const __nv_bfloat16* __restrict__ cos_sin_cache,
     const long long* __restrict__ slot_mapping, const __nv_bfloat16* __restrict__ q_norm_weight,
     const __nv_bfloat16* __restrict__ k_norm_weight, int tokens, int num_heads,
-    int num_kv_heads, int max_positions, long long num_slots, float eps) {
+    int num_kv_heads, int max_positions, long long num_slots, float eps, float k_scale,
+    float v_scale) {
     constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (D = 128) or 4 (D = 64)
     static_assert(kGroup <= 32, "a head's threads share one warp (the norm's shuffles)");
     constexpr int kHalf = D / 2;
@@ -138,11 +178,10 @@ __device__ __forceinline__ void rope_and_cache(
 
     if (head >= num_heads + num_kv_heads) {  // v: a straight copy
         if (slot >= 0) {
-            __nv_bfloat16* dst = v_cache +
-                                 (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
-                                 j * 8;
-            store_vec(dst, lo);
-            store_vec(dst + kHalf, hi);
+            Cache* dst = v_cache + (slot * num_kv_heads + (head - num_heads - num_kv_heads)) * D +
+                         j * 8;
+            store_cache(dst, lo, v_scale);
+            store_cache(dst + kHalf, hi, v_scale);
         }
         return;
     }
@@ -172,15 +211,15 @@ __device__ __forceinline__ void rope_and_cache(
 
     rotate(lo, hi, cos, sin, position_ok);
 
-    __nv_bfloat16* dst;
     if (is_q) {
-        dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
-    } else {
-        if (slot < 0) return;
-        dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+        __nv_bfloat16* dst = q_out + (static_cast<long long>(token) * num_heads + head) * D + j * 8;
+        store_vec(dst, lo);
+        store_vec(dst + kHalf, hi);
+    } else if (slot >= 0) {
+        Cache* dst = k_cache + (slot * num_kv_heads + (head - num_heads)) * D + j * 8;
+        store_cache(dst, lo, k_scale);
+        store_cache(dst + kHalf, hi, k_scale);
     }
-    store_vec(dst, lo);
-    store_vec(dst + kHalf, hi);
 }
 
 }  // namespace
@@ -196,7 +235,22 @@ __device__ __forceinline__ void rope_and_cache(
         int num_heads, int num_kv_heads, int max_positions, long long num_slots, float eps) {   \
         rope_and_cache<D>(q_out, k_cache, v_cache, qkv, positions, cos_sin_cache, slot_mapping, \
                           q_norm_weight, k_norm_weight, tokens, num_heads, num_kv_heads,        \
-                          max_positions, num_slots, eps);                                       \
+                          max_positions, num_slots, eps, 1.0f, 1.0f);                           \
+    }
+
+// The fp8 cache's kernels: k_cache / v_cache hold e4m3 bytes, written as
+// e4m3(x / k_scale) and e4m3(x / v_scale).
+#define ROUNDHOUSE_ROPE_FP8_KERNEL(D)                                                           \
+    extern "C" __global__ void rope_and_cache_d##D##_fp8(                                       \
+        __nv_bfloat16* q_out, unsigned char* k_cache, unsigned char* v_cache,                   \
+        const __nv_bfloat16* qkv, const long long* positions,                                   \
+        const __nv_bfloat16* cos_sin_cache, const long long* slot_mapping,                      \
+        const __nv_bfloat16* q_norm_weight, const __nv_bfloat16* k_norm_weight, int tokens,     \
+        int num_heads, int num_kv_heads, int max_positions, long long num_slots, float eps,     \
+        float k_scale, float v_scale) {                                                         \
+        rope_and_cache<D>(q_out, k_cache, v_cache, qkv, positions, cos_sin_cache, slot_mapping, \
+                          q_norm_weight, k_norm_weight, tokens, num_heads, num_kv_heads,        \
+                          max_positions, num_slots, eps, k_scale, v_scale);                     \
     }
 
 ROUNDHOUSE_ROPE_KERNEL(64)
@@ -204,3 +258,6 @@ ROUNDHOUSE_ROPE_KERNEL(128)
 // D = 256: Qwen3-Next's and Qwen3.5's full-attention layers (q/k arrive
 // rotated there; this kernel writes the cache with the identity rotation).
 ROUNDHOUSE_ROPE_KERNEL(256)
+ROUNDHOUSE_ROPE_FP8_KERNEL(64)
+ROUNDHOUSE_ROPE_FP8_KERNEL(128)
+ROUNDHOUSE_ROPE_FP8_KERNEL(256)

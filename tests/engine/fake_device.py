@@ -166,6 +166,9 @@ class FakeDevice:
     def forget(self, request_id: str) -> None:
         """The real runner drops a request's pooling state; the toy keeps none."""
 
+    def after_sampling(self, out: object, step: object) -> None:
+        """The real runner runs an MTP head here; the toy drafts with none."""
+
     def move_kv(self, transfers: KVTransfers) -> None:
         """Pages reused to the token: their leading slots copied, as the
         runner does before the step's forward pass (no host tier here)."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -35,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from engine.loader import load_model
 from engine.models.config import ModelConfig
@@ -140,10 +143,15 @@ def _tiled(rows: np.ndarray, key_heads: int, head_dim: int) -> np.ndarray:
 
 
 def convert_to_llama_cpp(hf_dir: Path, target: Path, arch: str, mtp_blocks: int = 0,
-                         drop: tuple[str, ...] = ()) -> Path:
+                         drop: tuple[str, ...] = (), mtp_head: Path | None = None) -> Path:
     """What convert_hf_to_gguf.py writes for the checkpoint in hf_dir (float32):
-    mtp_blocks extra MTP blocks as Qwen3.5's converter appends them, and the
+    mtp_blocks extra MTP blocks as Qwen3.5's converter appends them (a few
+    random tensors of one), or the MTP head in the safetensors file mtp_head
+    (mtp.*) as block num_hidden_layers: its layer's tensors named as a
+    block's, mtp.fc as nextn.eh_proj and its norms (+ 1, as every
+    zero-centred norm) as nextn.enorm / hnorm / shared_head_norm; and the
     GGUF tensors named in drop left out."""
+    mtp_blocks = 1 if mtp_head is not None else mtp_blocks
     cfg = json.loads((hf_dir / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
     key_heads, value_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
@@ -177,57 +185,60 @@ def convert_to_llama_cpp(hf_dir: Path, target: Path, arch: str, mtp_blocks: int 
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
 
     experts: dict[tuple[str, str], list[np.ndarray]] = {}
-    with safe_open(hf_dir / "model.safetensors", framework="np") as handle:
-        for name in sorted(handle.keys(), key=natural_order):
-            array = handle.get_tensor(name)
-            top = {"model.embed_tokens.weight": "token_embd.weight",
-                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-            if name in top:
-                add(top[name], array + 1 if name == "model.norm.weight" else array)
-                continue
-            _, _, layer, rest = name.split(".", 3)
-            module, suffix = rest.rsplit(".", 1)
-            blk = f"blk.{layer}"
-            if ".experts." in name:  # mlp.experts.<e>.<matrix>
-                experts.setdefault((layer, module.split(".")[-1]), []).append(array)
-                continue
-            if suffix == "A_log":
-                a = -np.exp(array)
-                add(f"{blk}.ssm_a", _tiled(a, key_heads, 1) if tiled else a)
-                continue
-            if suffix == "dt_bias":
-                add(f"{blk}.ssm_dt.bias", _tiled(array, key_heads, 1) if tiled else array)
-                continue
-            if module.endswith("norm") and module != "linear_attn.norm":
-                array = array + 1
-            if module == "linear_attn.in_proj_qkvz":
-                per_head = array.reshape(key_heads, -1, array.shape[-1])
-                v_size = value_heads // key_heads * value_dim
-                q, k, v, z = np.split(per_head, np.cumsum([key_dim, key_dim, v_size]), axis=1)
-                flat = [part.reshape(-1, array.shape[-1]) for part in (q, k, v, z)]
-                add(f"{blk}.attn_qkv.weight", np.concatenate(flat[:3]))
-                add(f"{blk}.attn_gate.weight", flat[3])
-                continue
-            if module == "linear_attn.conv1d":
-                array = array.squeeze(1)
-            if tiled and module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
-                qk = 2 * key_heads * key_dim
-                array = np.concatenate([array[:qk], _tiled(array[qk:], key_heads, value_dim)])
-            elif tiled and module == "linear_attn.in_proj_z":
-                array = _tiled(array, key_heads, value_dim)
-            elif tiled and module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
-                array = _tiled(array, key_heads, 1)
-            elif tiled and module == "linear_attn.out_proj":
-                array = _tiled(array.T, key_heads, value_dim).T
-            elif module == "mlp.shared_expert_gate":
-                array = array[0]
-            add(f"{blk}.{_NAMES[module]}.{suffix}", array)
+    for name, array in _checkpoint_tensors(hf_dir / "model.safetensors", mtp_head, layers):
+        top = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+        if name in top:
+            add(top[name], array + 1 if name == "model.norm.weight" else array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, suffix = rest.rsplit(".", 1)
+        blk = f"blk.{layer}"
+        if ".experts." in name:  # mlp.experts.<e>.<matrix>
+            experts.setdefault((layer, module.split(".")[-1]), []).append(array)
+            continue
+        if suffix == "A_log":
+            a = -np.exp(array)
+            add(f"{blk}.ssm_a", _tiled(a, key_heads, 1) if tiled else a)
+            continue
+        if suffix == "dt_bias":
+            add(f"{blk}.ssm_dt.bias", _tiled(array, key_heads, 1) if tiled else array)
+            continue
+        if module.endswith("norm") and module != "linear_attn.norm":
+            array = array + 1
+        if module == "linear_attn.in_proj_qkvz":
+            per_head = array.reshape(key_heads, -1, array.shape[-1])
+            v_size = value_heads // key_heads * value_dim
+            q, k, v, z = np.split(per_head, np.cumsum([key_dim, key_dim, v_size]), axis=1)
+            flat = [part.reshape(-1, array.shape[-1]) for part in (q, k, v, z)]
+            add(f"{blk}.attn_qkv.weight", np.concatenate(flat[:3]))
+            add(f"{blk}.attn_gate.weight", flat[3])
+            continue
+        if module == "linear_attn.conv1d":
+            array = array.squeeze(1)
+        if tiled and module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+            qk = 2 * key_heads * key_dim
+            array = np.concatenate([array[:qk], _tiled(array[qk:], key_heads, value_dim)])
+        elif tiled and module == "linear_attn.in_proj_z":
+            array = _tiled(array, key_heads, value_dim)
+        elif tiled and module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+            array = _tiled(array, key_heads, 1)
+        elif tiled and module == "linear_attn.out_proj":
+            array = _tiled(array.T, key_heads, value_dim).T
+        elif module == "mlp.shared_expert_gate":
+            array = array[0]
+        add(f"{blk}.{_NAMES[module]}.{suffix}", array)
     for (layer, matrix), stack in experts.items():
         kind = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}[matrix]
         add(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack(stack))
+    if mtp_head is not None:
+        with safe_open(mtp_head, framework="np") as handle:
+            for name, (gguf_name, plus_one) in _MTP_NAMES.items():
+                array = handle.get_tensor(name)
+                add(f"blk.{layers}.{gguf_name}", array + 1 if plus_one else array)
     hidden = cfg["hidden_size"]
     rng = np.random.default_rng(0)
-    for block in range(layers, layers + mtp_blocks):  # a few of an MTP block's tensors
+    for block in range(layers, layers + mtp_blocks if mtp_head is None else 0):
         add(f"blk.{block}.nextn.eh_proj.weight", rng.standard_normal((hidden, 2 * hidden)))
         add(f"blk.{block}.nextn.enorm.weight", np.ones(hidden))
         add(f"blk.{block}.attn_norm.weight", np.ones(hidden))
@@ -237,6 +248,29 @@ def convert_to_llama_cpp(hf_dir: Path, target: Path, arch: str, mtp_blocks: int 
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+# The MTP head's own tensors: GGUF name, and whether stored + 1.
+_MTP_NAMES = {"mtp.fc.weight": ("nextn.eh_proj.weight", False),
+              "mtp.pre_fc_norm_embedding.weight": ("nextn.enorm.weight", True),
+              "mtp.pre_fc_norm_hidden.weight": ("nextn.hnorm.weight", True),
+              "mtp.norm.weight": ("nextn.shared_head_norm.weight", True)}
+
+
+def _checkpoint_tensors(model_file: Path, mtp_head: Path | None, layers: int
+                        ) -> Iterator[tuple[str, np.ndarray]]:
+    """The model's tensors in the converter's order, then the MTP head's
+    layer as layer `layers` (the head's own tensors are written by the caller)."""
+    with safe_open(model_file, framework="np") as handle:
+        for name in sorted(handle.keys(), key=natural_order):
+            yield name, handle.get_tensor(name)
+    if mtp_head is None:
+        return
+    with safe_open(mtp_head, framework="np") as handle:
+        for name in sorted(handle.keys(), key=natural_order):
+            if name.startswith("mtp.layers.0."):
+                yield f"model.layers.{layers}." + name.removeprefix("mtp.layers.0."), \
+                    handle.get_tensor(name)
 
 
 @pytest.fixture(scope="module", params=list(_FAMILIES))
@@ -355,3 +389,50 @@ def test_the_routers_estimate_reads_the_hybrid_gguf_as_the_engine_loads_it(
     with_mtp = convert_to_llama_cpp(hf_dir, hf_dir / "estimate-mtp.gguf", _FAMILIES[family][0],
                                     mtp_blocks=1)
     assert estimate_footprint(read_shape(with_mtp, "gguf"), options, cuda=False) == estimate
+
+
+def _write_mtp_head(hf_dir: Path) -> Path:
+    """A random MTP head for the checkpoint in hf_dir: its layer a copy of the
+    last full-attention layer's tensors, fc and norms random; the config
+    says it has one (Qwen3-Next's and Qwen3.5's keys)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    source = max(i for i, kind in enumerate(cfg["layer_types"]) if kind == "full_attention")
+    prefix = f"model.layers.{source}."
+    generator = torch.Generator().manual_seed(5)
+    hidden = cfg["hidden_size"]
+    with safe_open(hf_dir / "model.safetensors", framework="pt") as handle:
+        tensors = {"mtp.layers.0." + name.removeprefix(prefix): handle.get_tensor(name)
+                   for name in handle.keys() if name.startswith(prefix)}
+    tensors["mtp.fc.weight"] = torch.randn((hidden, 2 * hidden), generator=generator)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.randn(hidden, generator=generator) * 0.2
+    head = hf_dir / "mtp.safetensors"
+    save_file(tensors, head)
+    cfg["num_nextn_predict_layers"] = cfg["mtp_num_hidden_layers"] = 1
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    return head
+
+
+def test_the_mtp_head_loads_from_gguf_as_from_safetensors(family: str, converted,
+                                                          tmp_path: Path) -> None:
+    """--spec mtp reads the head from llama.cpp's extra block: every mtp.*
+    slot as the safetensors checkpoint fills it (norms as 1 + w, stored w + 1)."""
+    hf_dir, _, _ = converted
+    directory = tmp_path / "hf"
+    shutil.copytree(hf_dir, directory)
+    head = _write_mtp_head(directory)
+    arch = _FAMILIES[family][0]
+    gguf_path = convert_to_llama_cpp(directory, tmp_path / "mtp.gguf", arch, mtp_head=head)
+    from_gguf = load_model(gguf_path, CPU, torch.float32, with_mtp=True).model
+    from_hf = load_model(directory, CPU, torch.float32, with_mtp=True).model
+    assert from_gguf.config.mtp_layers == from_hf.config.mtp_layers == 1
+    got = {k: v for k, v in from_gguf.weight_destinations().items() if k.startswith("mtp.")}
+    expected = {k: v for k, v in from_hf.weight_destinations().items() if k.startswith("mtp.")}
+    assert got.keys() == expected.keys() and "mtp.fc.weight" in got
+    for name, tensor in got.items():
+        if "norm" in name:  # every norm of the head is zero-centred
+            torch.testing.assert_close(1 + tensor, 1 + expected[name], rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(tensor, expected[name]), name
+    # Without --spec mtp the same file serves the text model alone.
+    assert getattr(load_model(gguf_path, CPU, torch.float32).model, "mtp", None) is None

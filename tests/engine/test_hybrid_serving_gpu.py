@@ -183,3 +183,37 @@ def test_a_checkpoint_moved_to_host_memory_resumes_bit_for_bit(served) -> None:
     assert cached == len(first) - 1 and again == tokens
     counters = core.scheduler.kv.checkpoints.counters  # type: ignore[union-attr]
     assert counters.restored_from_host == 1
+
+
+def test_mtp_drafting_gives_plain_decodings_tokens_and_graphs_draft_as_eager(
+        served, tmp_path: Path) -> None:
+    """--spec mtp on the GPU: the head runs after every step (its hidden
+    states copied out of the decode and chunk graphs), its drafts verified
+    in decode-graph replays; the output is plain decoding's bit for bit, and
+    the drafts with graphs on are those of graphs off."""
+    import shutil
+
+    from tests.engine.test_hybrid_gguf import _write_mtp_head
+    from tests.engine.test_mtp_drafting import _recording
+
+    source, _ = served
+    directory = tmp_path / "with-head"
+    shutil.copytree(source, directory)
+    _write_mtp_head(directory)
+    prompts = {"a": _prompt(11, 70), "b": _prompt(12, 21)}
+    plain, events = _engine(directory)
+    want = _run(plain, events, prompts, count=24)
+    del plain
+    drafts: dict[bool, list[tuple[list[int], list[int]]]] = {}
+    for graphs in (True, False):
+        core, events = in_process.make_engine(
+            directory, device="cuda", dtype="bfloat16", page_size=16, max_concurrency=4,
+            max_batched_tokens=96, kv_capacity_tokens=8192, spec="mtp", draft_tokens=3,
+            cuda_graph=graphs)
+        assert core.runner.hidden_out is not None and core.runner.mtp is not None
+        drafts[graphs] = _recording(core.scheduler.drafter)  # type: ignore[arg-type]
+        got = _run(core, events, prompts, count=24)
+        assert {rid: got[rid][0] for rid in prompts} == {rid: want[rid][0] for rid in prompts}
+        del core
+    assert sum(1 for _, draft in drafts[True] if draft) >= 4
+    assert drafts[True] == drafts[False]

@@ -1,7 +1,7 @@
 """The engine on the GPU at real shapes with random weights, against the HBM
 roofline, the tensor-core peak and Hugging Face transformers, in one run.
 
-    python tests/perf/bench_gpu_engine.py [--only decode,throughput,prefill,hf]
+    python tests/perf/bench_gpu_engine.py [--only decode,throughput,prefill,hf,kv-fp8]
 
 1. Batch-1 decode tok/s at the Qwen3-0.6B and Qwen3-8B shapes through the
    engine's own step loop (scheduler, inputs, graph replay, sampling,
@@ -10,6 +10,8 @@ roofline, the tensor-core peak and Hugging Face transformers, in one run.
 2. Offline throughput on nano-vllm's workload: 256 requests with input and
    output lengths uniform in 100..1024 (seed 0), Qwen3-0.6B shape, output
    tokens over the whole wall time, prefill included.
+   With kv-fp8 (not in the default set): the same workload at the
+   Qwen3-8B shape under a 24 GiB memory grant, --kv-dtype bf16 against fp8.
 3. Time to first token for 1k, 8k and 32k-token prompts at the 8B shape, as
    prompt tok/s and as a share of the measured bf16 GEMM rate.
 4. transformers (eager generate and forward, bf16, sdpa) on the same shapes.
@@ -44,6 +46,11 @@ from tests.perf.gpu_models import (
 
 DEVICE = torch.device("cuda")
 RESULTS: dict[str, Any] = {}
+
+
+# The memory grant of the kv-fp8 comparison: the 8B shape's 16.4 GB of
+# weights, its workspace and graphs, and about 6 GB of KV in bf16.
+KV_GRANT_MIB = 24 * 1024
 
 
 def _free(*objects: object) -> None:
@@ -90,10 +97,11 @@ def bench_decode(shape: str) -> dict[str, float]:
             "step_bytes": step_bytes}
 
 
-def bench_throughput() -> dict[str, float]:
-    loaded = random_model("qwen3-0.6b", DEVICE)
+def bench_throughput(shape: str = "qwen3-0.6b", **options: Any) -> dict[str, float]:
+    """nano-vllm's workload; options: engine options (a KV dtype, a memory grant)."""
+    loaded = random_model(shape, DEVICE)
     core, events = make_engine(loaded, max_concurrency=256, max_batched_tokens=16384,
-                               max_context=4096)
+                               max_context=4096, **options)
     rng = random.Random(0)
     _submit(core, "warm", _random_prompt(rng, 256), 32)
     _drain(core)
@@ -109,7 +117,8 @@ def bench_throughput() -> dict[str, float]:
     result = {"requests": 256, "input_tokens": sum(n for n, _ in workload),
               "output_tokens": output_tokens, "seconds": seconds,
               "output_tok_s": output_tokens / seconds,
-              "preemptions": core.scheduler.num_preemptions}
+              "preemptions": core.scheduler.num_preemptions,
+              "kv_pages": core.scheduler.kv.pool.num_pages, **options}
     _free(core, events, loaded)
     return result
 
@@ -196,6 +205,13 @@ def main() -> int:
     if "throughput" in parts:
         RESULTS["throughput"] = bench_throughput()
         print(json.dumps(RESULTS["throughput"]), flush=True)
+    if "kv-fp8" in parts:
+        # The 8B shape on a memory grant where the bf16 KV cannot hold the
+        # whole workload at once (about a 24 GB card's room beside the
+        # weights): fp8 KV holds twice the tokens.
+        RESULTS["kv_fp8"] = [bench_throughput("qwen3-8b", kv_dtype=kv, device_memory_mib=KV_GRANT_MIB)
+                             for kv in ("bf16", "fp8")]
+        print(json.dumps(RESULTS["kv_fp8"]), flush=True)
     if "prefill" in parts:
         RESULTS["prefill"] = bench_prefill()
         print(json.dumps(RESULTS["prefill"]), flush=True)

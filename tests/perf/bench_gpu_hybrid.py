@@ -2,7 +2,7 @@
 weights at the Qwen3.5-35B-A3B shape (transformers' Qwen3_5MoeTextConfig
 defaults: 40 layers, 3 of every 4 Gated DeltaNet, 256 experts, top 8), bf16.
 
-    python tests/perf/bench_gpu_hybrid.py [--sections decode,prefill,turns,transformers]
+    python tests/perf/bench_gpu_hybrid.py [--sections decode,prefill,turns,transformers,mtp]
         [--batches 1,8] [--tokens 64] [--prefill 8192,32768] [--cut-layers 8] [--smoke]
 
 - decode: tok/s at each batch size; batch 1 against the roofline of the
@@ -20,6 +20,12 @@ defaults: 40 layers, 3 of every 4 Gated DeltaNet, 256 experts, top 8), bf16.
 - transformers: batch-1 decode and an 8k prefill of transformers'
   Qwen3_5MoeForCausalLM against ours, both cut to --cut-layers layers (two
   full models do not fit one H200 at once).
+- mtp: decode tok/s with --spec mtp (the checkpoint's MTP head, random
+  here) and --spec ngram against no speculation, in the same run: a random head's drafts are
+  all rejected, so this is what the head costs every step (its pass over
+  the step's rows, the drafting rounds before the adaptive control stops
+  them) where it does not pay; with a trained head the accepted drafts come
+  on top.
 
 --smoke runs a tiny model on the CPU in seconds (tests/test_perf_smoke.py).
 Writes $OUT/bench_gpu_hybrid.json.
@@ -70,9 +76,11 @@ NEW_TURN_TOKENS = 200
 
 
 @torch.inference_mode()
-def hybrid_model(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    config = ModelConfig.from_hf_config(cfg)
-    model = build_model(config, device, dtype)
+def hybrid_model(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                 with_mtp: bool = False) -> LoadedModel:
+    """Random weights; with_mtp: with an MTP head (mtp_num_hidden_layers 1)."""
+    config = ModelConfig.from_hf_config({**cfg, "mtp_num_hidden_layers": 1} if with_mtp else cfg)
+    model = build_model(config, device, dtype, with_mtp=with_mtp)
     generator = torch.Generator(device=device).manual_seed(0)
     for name, param in model.named_parameters():
         if "norm" in name:
@@ -141,6 +149,50 @@ def decode_rows(loaded: LoadedModel, args: argparse.Namespace, cuda: bool,
         print(json.dumps(row), flush=True)
         rows.append(row)
     del core, events
+    gc.collect()
+    return rows
+
+
+def mtp_rows(cfg: dict[str, Any], args: argparse.Namespace, cuda: bool) -> list[dict[str, Any]]:
+    """Decode with and without --spec mtp on the same model (its head random)."""
+    loaded = hybrid_model(cfg, torch.device("cuda" if cuda else "cpu"),
+                          torch.bfloat16 if cuda else torch.float32, with_mtp=True)
+    prompt_len, rows = 128, []
+    # n-gram drafts on the same random prompts: what any drafter's rounds
+    # cost where nothing is accepted, beside the head's own cost.
+    # "mtp-head-only": the head runs after every step but never drafts (its
+    # own cost, without any drafting round's).
+    for variant in ("none", "ngram", "mtp-head-only", "mtp"):
+        spec = variant.split("-")[0]
+        core, events = make_engine(loaded, device="cuda" if cuda else "cpu",
+                                   dtype="bfloat16" if cuda else "float32",
+                                   max_concurrency=max(args.batches), max_batched_tokens=4096,
+                                   max_context=prompt_len + args.tokens + 16, ctx_checkpoints=0,
+                                   spec=spec, draft_tokens=3)
+        if variant == "mtp-head-only":
+            core.scheduler.drafter.propose_batch = lambda rows: [[] for _ in rows]  # type: ignore[union-attr]
+        for batch in args.batches:
+            prompts = prompts_of(batch, prompt_len, loaded.config.vocab_size, batch)
+            run_batch(core, events, f"warm-{spec}-{batch}", prompts, 8, cuda)
+            prefill_s, _ = run_batch(core, events, f"prefill-{spec}-{batch}", prompts, 1, cuda)
+            stats = core._stats
+            drafted, accepted = stats.draft_tokens_total, stats.draft_accepted_tokens_total
+            seconds, _ = run_batch(core, events, f"decode-{spec}-{batch}", prompts, args.tokens,
+                                   cuda)
+            decode_s = max(seconds - prefill_s, 1e-9)
+            row = {"section": "mtp", "spec": variant, "batch": batch,
+                   "tok_s": batch * (args.tokens - 1) / decode_s,
+                   "drafted": stats.draft_tokens_total - drafted,
+                   "accepted": stats.draft_accepted_tokens_total - accepted}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del core, events
+        gc.collect()
+    for row in rows:
+        if row["spec"] != "none":
+            plain = next(r for r in rows if r["spec"] == "none" and r["batch"] == row["batch"])
+            row["of_plain"] = row["tok_s"] / plain["tok_s"]
+    del loaded
     gc.collect()
     return rows
 
@@ -294,7 +346,7 @@ def transformers_rows(cfg: dict[str, Any], args: argparse.Namespace,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="decode,prefill,turns,transformers")
+    parser.add_argument("--sections", default="decode,prefill,turns,transformers,mtp")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prefill", default="8192,32768")
@@ -333,6 +385,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if "transformers" in sections:
         results["rows"] += transformers_rows(cfg, args, device)
+    if "mtp" in sections:
+        results["rows"] += mtp_rows(cfg, args, cuda)
     if not args.smoke:  # (the smoke run's figures mean nothing: nothing is kept)
         out = Path(os.environ.get("OUT", "."))
         (out / "bench_gpu_hybrid.json").write_text(json.dumps(results, indent=2))

@@ -25,6 +25,7 @@ def reported(model: Path, options: EngineOptions):
     EngineOptions(),
     EngineOptions(max_context=512, prefix_cache_tokens=100, max_concurrency=3),
     EngineOptions(kv_capacity_tokens=3000, page_size=32),
+    EngineOptions(max_context=512, kv_dtype="fp8"),
 ])
 def test_safetensors_estimate_matches_the_cpu_engine(tiny_model_factory, arch: str,
                                                      options: EngineOptions) -> None:
@@ -97,3 +98,31 @@ def test_the_expert_cache_is_planned_on_the_gpu_only(tiny_model_factory) -> None
     assert gpu_cached.weights_bytes == gpu.weights_bytes
     assert estimate_footprint(shape, cached, cuda=False) == estimate_footprint(shape, host,
                                                                                 cuda=False)
+
+
+def test_a_gpu_engine_keeps_quantized_gguf_matrices_packed(tmp_path: Path) -> None:
+    # With --gguf-weights packed, on CUDA in bfloat16, the engine keeps Q8_0/Q4_0/K-quant projections in
+    # their blocks (engine/loader/packing.py): the estimate counts their file
+    # bytes, as the packed load's weights do; a fused matrix with one part of
+    # another type (layer 1's v in Q5_0) is dequantized whole, in both.
+    import torch
+    from gguf import GGMLQuantizationType as T
+
+    from engine.loader import load_model
+    from engine.process.bootstrap import loaded_weights_bytes
+    from tests.engine.quantized_gguf import MATRICES, Q4_K_M_MIX, write_quantized_gguf
+
+    for label, mix in (("q8_0", {name: T.Q8_0 for name in MATRICES}),
+                       ("mixed", {**Q4_K_M_MIX, "blk.1.attn_v.weight": T.Q5_0})):
+        path = write_quantized_gguf(tmp_path / f"{label}.gguf", mix)
+        shape = read_shape(path, "gguf")
+        estimate = estimate_footprint(shape, EngineOptions(gguf_weights="packed"), cuda=True)
+        packed = load_model(path, torch.device("cpu"), torch.bfloat16, packed_quant=True)
+        assert estimate.weights_bytes == loaded_weights_bytes(packed), label
+        # By default a GGUF is dequantized at load: every element in bf16.
+        plain = load_model(path, torch.device("cpu"), torch.bfloat16, packed_quant=False)
+        assert estimate_footprint(shape, EngineOptions(), cuda=True).weights_bytes \
+            == loaded_weights_bytes(plain), label
+        # Served in float32 (or on the CPU) everything is dequantized.
+        wide = estimate_footprint(shape, EngineOptions(dtype="float32"), cuda=True)
+        assert wide.weights_bytes == 4 * (shape.weight_elements + 1024 * 64), label

@@ -26,7 +26,7 @@ from router.settings import ModelSettings, SamplingOverrides
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
-    "device-memory-mib kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
+    "device-memory-mib kv-dtype quantize gguf-weights kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
     "model-draft spec-draft-model md draft-tokens draft-max spec-draft-n-max draft-n draft "
     "spec-ngram-min spec-ngram-max expert-residency cpu-moe cmoe n-cpu-moe ncmoe "
     "expert-cache-mib moe-cache-mib ctx-checkpoints swa-checkpoints checkpoint-every-n-tokens "
@@ -272,6 +272,28 @@ def test_pooling_is_an_engine_option_of_llama_cpps_values() -> None:
         with pytest.raises(OptionValueError, match="mean, cls, last"):
             option.parse(value)
 
+
+
+def test_kv_dtype_reaches_the_engine_bf16_by_default() -> None:
+    assert BY_NAME["kv-dtype"].default == "bf16"
+    assert resolve_settings([{"kv-dtype": "fp8"}]).engine.kv_dtype == "fp8"
+    assert given_options(parser().parse_args(["--kv-dtype", "fp8"])) == {"kv-dtype": "fp8"}
+    with pytest.raises(argparse.ArgumentError) as caught:
+        parser().parse_args(["--kv-dtype", "q8_0"])
+    assert str(caught.value) == "argument --kv-dtype: must be one of bf16, fp8, got 'q8_0'"
+    with pytest.raises(ValueError, match="--kv-dtype must be one of bf16, fp8, got 'int8'"):
+        EngineOptions(kv_dtype="int8")
+
+
+def test_quantize_reaches_the_engine_off_by_default() -> None:
+    assert BY_NAME["quantize"].default is None
+    assert resolve_settings([{"quantize": "fp8"}]).engine.quantize == "fp8"
+    assert given_options(parser().parse_args(["--quantize", "fp8"])) == {"quantize": "fp8"}
+    with pytest.raises(argparse.ArgumentError) as caught:
+        parser().parse_args(["--quantize", "int4"])
+    assert str(caught.value) == "argument --quantize: must be one of fp8, got 'int4'"
+    with pytest.raises(ValueError, match="--quantize must be one of fp8"):
+        EngineOptions(device="cuda", quantize="int8")
 
 
 def test_host_kv_mib_reaches_the_engine_options_off_by_default() -> None:

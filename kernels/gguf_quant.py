@@ -1,0 +1,261 @@
+"""GGUF quantized weights on the GPU in their packed block layout: a fused
+dequantize-in-registers GEMV for decode and a full dequantize for prefill.
+
+The packed weight is the tensor's bytes from the GGUF file, reshaped to
+[N, row_bytes] (row n = the K/block_size blocks of output row n); nothing is
+repacked. Types: GGUF_KERNEL_TYPES (ids as in gguf.GGMLQuantizationType).
+
+- quant_gemv(x, packed, qtype): out = x @ dequantize(packed).T for 1 to
+  QUANT_GEMV_MAX_ROWS rows of x. Each packed byte is read from HBM once per
+  call whatever M is; the block integers go to the tensor cores exactly (as
+  bf16) and the block scales are applied in float32, so the result is the
+  float32 matmul of gguf's dequantized weight up to float32 accumulation
+  order, rounded once to bf16 (kernels/csrc/gguf_quant.cu explains how).
+- dequantize_to(packed, qtype, out): out = gguf's dequantized values rounded
+  to bf16, bit for bit.
+- quant_linear(x, packed, qtype, k): the one to call from a model: the GEMV
+  for few rows, else dequantize into a scratch buffer and F.linear (cuBLAS).
+  Measured in tests/perf/bench_gguf_quant.py against a bf16 F.linear.
+
+CUDA-graph safe with `out` (and `scratch`) given: nothing is allocated,
+nothing syncs, and the launch grids depend only on the shapes (and the
+device's SM count).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, set_max_dynamic_shared
+
+GGUF_KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+# 16 = two n8 tiles of the mma: batches of 9-16 rows also read the packed
+# bytes once instead of writing and re-reading a bf16 copy (4-8x the bytes).
+QUANT_GEMV_MAX_ROWS = 16
+
+# qtype -> (elements per block, bytes per block), as in gguf's GGML_QUANT_SIZES.
+_BLOCK: dict[int, tuple[int, int]] = {2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+                                      14: (256, 210)}
+
+
+def _warp_shared_bytes(unit_bytes: int, max_offset: int, groups: int, stages: int) -> int:
+    """Shared memory of one GEMV warp, as Geometry<T>::kWarpBytes in the .cu
+    file: `stages` ring slots of 16 rows, each row an odd number of 16-byte
+    chunks covering a unit's bytes at any misalignment, then the scale table
+    (16 rows x groups float2)."""
+    chunks = (unit_bytes + max_offset + 15) // 16
+    return stages * 16 * (chunks | 1) * 16 + 16 * groups * 8
+
+
+# qtype -> shared bytes per warp (the .cu file's per-type constants).
+_WARP_SHARED: dict[int, int] = {
+    8: _warp_shared_bytes(272, 14, 8, 2),
+    2: _warp_shared_bytes(144, 14, 8, 3),
+    12: _warp_shared_bytes(144, 0, 8, 3),
+    13: _warp_shared_bytes(176, 0, 8, 3),
+    14: _warp_shared_bytes(210, 14, 16, 3),
+}
+_SOURCE = "gguf_quant.cu"
+_ROWS_PER_CTA = 16
+_UNIT = 256  # K elements per warp step
+# Warps per CTA: 8 when the grid fills the chip several times (CTAs share
+# SMs); up to 16 when there are fewer CTAs than SMs, so more of K is in flight.
+_WARPS_MANY_CTAS = 8
+_WARPS_FEW_CTAS = 16
+_DEQUANT_THREADS = 256
+_MAX_INDEX = 2**31 - 1
+
+
+def _require_type(qtype: int) -> str:
+    if qtype not in GGUF_KERNEL_TYPES:
+        names = ", ".join(f"{k} ({v})" for k, v in GGUF_KERNEL_TYPES.items())
+        raise ValueError(f"qtype {qtype} has no GPU kernel; supported: {names}")
+    return GGUF_KERNEL_TYPES[qtype]
+
+
+def packed_row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one weight row of K elements in qtype's GGUF block layout."""
+    _require_type(qtype)
+    block, size = _BLOCK[qtype]
+    if k <= 0 or k % block:
+        raise ValueError(f"K must be a positive multiple of {block} for "
+                         f"{GGUF_KERNEL_TYPES[qtype]}, got {k}")
+    return k // block * size
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_index(tensor: torch.Tensor) -> int:
+    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def _check_packed(packed: torch.Tensor, qtype: int, k: int, device: torch.device | None) -> int:
+    """Validate packed [N, packed_row_bytes(qtype, k)]; returns N."""
+    check_cuda_tensor("packed", packed, dtype=torch.uint8, ndim=2, device=device)
+    row_bytes = packed_row_bytes(qtype, k)
+    if packed.shape[1] != row_bytes:
+        raise ValueError(f"packed must be [N, {row_bytes}] for K={k} in "
+                         f"{GGUF_KERNEL_TYPES[qtype]}, got {tuple(packed.shape)}")
+    # Q4_K/Q5_K rows are multiples of 16 bytes: the kernel reads them in
+    # aligned 16-byte pieces. The other types' rows (and so a slice of rows)
+    # are only 2-byte aligned, which the kernel handles.
+    alignment = 16 if qtype in (12, 13) else 2
+    if packed.data_ptr() % alignment:
+        raise ValueError(f"packed must start at a {alignment}-byte aligned address")
+    n = packed.shape[0]
+    if not 1 <= n <= _MAX_INDEX // k:
+        raise ValueError(f"packed has {n} rows; 1 to {_MAX_INDEX // k} are supported")
+    return n
+
+
+def _check_out(out: torch.Tensor, rows: int, n: int, device: torch.device) -> int:
+    """Validate a GEMV output: bf16 [rows, n] on device whose rows are
+    contiguous, possibly a column range of a wider matrix (row stride >= n,
+    as when a weight's row segments write their columns of one output).
+    Returns the row stride in elements."""
+    if not out.is_cuda or out.device != device:
+        raise ValueError(f"out must be a CUDA tensor on {device}, got one on {out.device}")
+    if out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be torch.bfloat16, got {out.dtype}")
+    if tuple(out.shape) != (rows, n):
+        raise ValueError(f"out must be {(rows, n)}, got {tuple(out.shape)}")
+    row_stride, column_stride = out.stride()
+    if (column_stride != 1 and n > 1) or (row_stride < n and rows > 1):
+        raise ValueError(f"out's rows must be contiguous and not overlap, got strides {out.stride()}")
+    return row_stride if rows > 1 else n
+
+
+def _out_span_overlaps(out: torch.Tensor, row_stride: int, tensor: torch.Tensor) -> bool:
+    start = out.data_ptr()
+    end = start + ((out.shape[0] - 1) * row_stride + out.shape[1]) * out.element_size()
+    t_start = tensor.data_ptr()
+    t_end = t_start + tensor.numel() * tensor.element_size()
+    return start < t_end and t_start < end
+
+
+def _gemv_layout(n: int, k: int, qtype: int, sms: int) -> tuple[int, int, int, int]:
+    """(CTAs, warps per CTA, blocks per row, units per row)."""
+    block = _BLOCK[qtype][0]
+    blocks = k // block
+    units = -(-k // _UNIT)
+    ctas = -(-n // _ROWS_PER_CTA)
+    most = _WARPS_MANY_CTAS if ctas >= sms else _WARPS_FEW_CTAS
+    warps = max(1, min(most, units))
+    return ctas, warps, blocks, units
+
+
+def quant_gemv(x: torch.Tensor, packed: torch.Tensor, qtype: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize(packed).T for a few rows of x.
+
+    x: bf16 [M, K], 1 <= M <= QUANT_GEMV_MAX_ROWS, contiguous, 16-byte
+    aligned; packed: uint8 [N, packed_row_bytes(qtype, K)], contiguous, on
+    x's device, 16-byte aligned for Q4_K/Q5_K and 2-byte aligned otherwise (a
+    slice of rows is fine). Returns (or fills) out, bf16 [M, N]: its rows
+    contiguous, possibly a column range of a wider output (row stride >= N);
+    it must not overlap x or packed. Raises ValueError for anything else.
+    """
+    name = _require_type(qtype)
+    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+    rows, k = x.shape
+    if not 1 <= rows <= QUANT_GEMV_MAX_ROWS:
+        raise ValueError(f"x must have 1 to {QUANT_GEMV_MAX_ROWS} rows, got {rows}")
+    if x.data_ptr() % 16:
+        raise ValueError("x must start at a 16-byte aligned address")
+    n = _check_packed(packed, qtype, k, x.device)
+    if out is None:
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
+        out_stride = n
+    else:
+        out_stride = _check_out(out, rows, n, x.device)
+        if _out_span_overlaps(out, out_stride, x) or _out_span_overlaps(out, out_stride, packed):
+            raise ValueError("out must not overlap x or packed")
+    index = _device_index(x)
+    ctas, warps, blocks, units = _gemv_layout(n, k, qtype, _sm_count(index))
+    tiles = 1 if rows <= 8 else 2
+    # Warp w sums x-row tile w over the warps' partials at the end: 9..16
+    # rows need two warps even where K is one unit (the second idles in K).
+    warps = max(warps, tiles)
+    kernel = load_kernel(_SOURCE, f"gguf_gemv_{name}_nt{tiles}", index)
+    shared = warps * _WARP_SHARED[qtype]
+    set_max_dynamic_shared(kernel, shared)
+    args = (ptr(out), ptr(x), ptr(packed), np.int32(n), np.int32(k), np.int32(rows),
+            np.int32(blocks), np.int32(units), np.int32(out_stride))
+    launch(kernel, (ctas,), (32 * warps,), args, x.device, shared_bytes=shared)
+    return out
+
+
+def dequantize_to(packed: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
+    """Fill bf16 out [N, K] with dequantize(packed): gguf's float32 values
+    rounded to bf16 (round to nearest even), exactly. Returns out."""
+    name = _require_type(qtype)
+    check_cuda_tensor("out", out, dtype=torch.bfloat16, ndim=2)
+    n_out, k = out.shape
+    n = _check_packed(packed, qtype, k, out.device)
+    if n_out != n:
+        raise ValueError(f"out must have {n} rows to match packed, got {tuple(out.shape)}")
+    if out.data_ptr() % 16:
+        raise ValueError("out must start at a 16-byte aligned address")
+    if _overlaps(out, packed):
+        raise ValueError("out must not overlap packed")
+    index = _device_index(out)
+    groups = n * k // 8
+    ctas = max(1, min(-(-groups // _DEQUANT_THREADS), 32 * _sm_count(index)))
+    kernel = load_kernel(_SOURCE, f"gguf_dequantize_{name}", index)
+    args = (ptr(out), ptr(packed), np.int32(n), np.int32(k), np.int32(k // _BLOCK[qtype][0]))
+    launch(kernel, (ctas,), (_DEQUANT_THREADS,), args, out.device)
+    return out
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, k: int,
+                 out: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, dequantize(packed)) for any number of rows of x [M, k].
+
+    M <= QUANT_GEMV_MAX_ROWS: quant_gemv (reads the packed bytes once).
+    Otherwise the weight is dequantized into scratch (a bf16 buffer of at
+    least N * k elements, 16-byte aligned; the engine shares one across its
+    layers; allocated when None) and multiplied by cuBLAS. out as in
+    quant_gemv (rows contiguous, row stride >= N).
+    """
+    _require_type(qtype)
+    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    rows = x.shape[0]
+    if rows <= QUANT_GEMV_MAX_ROWS:
+        return quant_gemv(x, packed, qtype, out=out)
+    n = _check_packed(packed, qtype, k, x.device)
+    if scratch is None:
+        scratch = torch.empty(n * k, dtype=torch.bfloat16, device=x.device)
+    else:
+        check_cuda_tensor("scratch", scratch, dtype=torch.bfloat16, ndim=scratch.dim(),
+                          device=x.device)
+        if scratch.numel() < n * k:
+            raise ValueError(f"scratch must hold at least {n * k} elements, got {scratch.numel()}")
+    weight = scratch.view(-1)[: n * k].view(n, k)
+    if out is not None:
+        _check_out(out, rows, n, x.device)
+    dequantize_to(packed, qtype, weight)
+    if out is None:
+        return F.linear(x, weight)
+    if out.is_contiguous():
+        # The same cuBLAS call as F.linear without a bias (x @ weight.T), into out.
+        return torch.mm(x, weight.t(), out=out)
+    # A column range of a wider output: cuBLAS writes a temporary.
+    return out.copy_(F.linear(x, weight))

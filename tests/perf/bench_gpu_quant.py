@@ -1,0 +1,213 @@
+"""Quantized weights served packed, through the engine (issue 19's H200 benchmark).
+
+    python tests/perf/bench_gpu_quant.py [--shapes qwen3-8b,qwen3-0.6b]
+        [--formats bf16,Q8_0,Q4_K,Q4_K_M] [--tokens 64] [--batch 64] [--prefill 1024] [--smoke]
+
+Random-weight Qwen3 at each shape, its linear weights (q/k/v, o, gate/up,
+down, lm_head) replaced by packed GGUF blocks of random bytes with small
+scales (any byte string is a valid block: the kernels' speed does not
+depend on the values) in one format:
+- Q8_0 or Q4_K: every linear weight in that type;
+- Q4_K_M: llama.cpp's mix of that name: Q4_K, but v and down in Q6_K in
+  every other layer (llama.cpp picks the first and last eighths and every
+  third layer between; half is the same byte count within a few percent)
+  and the lm_head in Q6_K;
+- bf16: the unquantized model, the reference in the same run.
+For each: batch-1 decode tok/s against the roofline of the bytes a step
+reads in that format (packed linear weights, one embedding row, the norms,
+the KV of the context) at the device copy rate measured in the same run;
+batch-`--batch` decode tok/s; one `--prefill`-token prompt's tokens/s.
+
+--smoke runs a tiny model on the CPU (the reference ops dequantize) in
+seconds (tests/test_perf_smoke.py). Writes $OUT/bench_gpu_quant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.execution.quantized_weight import QuantizedWeight
+from engine.loader import LoadedModel
+from engine.models import ModelConfig, build_model
+from kernels.gguf_reference import BLOCK_SIZES, row_bytes
+from tests.perf.bench_gpu_speculation import run_batch
+from tests.perf.gpu_models import copy_bandwidth, hf_config, make_engine
+
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
+TYPE_IDS = {"Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q4_0": Q4_0, "Q5_K": Q5_K}
+# Byte offsets of each block's float16 scales (d, and dmin for Q4_K / Q5_K).
+_SCALE_OFFSETS = {Q4_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
+TINY: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def random_blocks(qtype: int, rows: int, k: int, device: torch.device,
+                  generator: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: random block bytes with scales of about
+    1e-3 (finite float16), so the outputs stay finite through the layers."""
+    _, size = BLOCK_SIZES[qtype]
+    blocks = torch.randint(0, 256, (rows, row_bytes(qtype, k) // size, size), dtype=torch.uint8,
+                           device=device, generator=generator)
+    for index, offset in enumerate(_SCALE_OFFSETS[qtype]):
+        scale = torch.full(blocks.shape[:2], 1e-3 if index == 0 else 1e-4, dtype=torch.float16,
+                           device=device)
+        blocks[:, :, offset:offset + 2] = scale.view(torch.uint8).view(*blocks.shape[:2], 2)
+    return blocks.view(rows, -1)
+
+
+def mix_types(fmt: str, layer: int, slot: str) -> list[int] | int:
+    """The GGUF type of a slot of a layer (a list for a fused slot's parts)."""
+    if fmt != "Q4_K_M":
+        return TYPE_IDS[fmt]
+    heavy = layer % 2 == 0
+    if slot == "qkv_weight":
+        return [Q4_K, Q4_K, Q6_K if heavy else Q4_K]
+    if slot == "down_weight":
+        return Q6_K if heavy else Q4_K
+    return Q4_K
+
+
+@torch.inference_mode()
+def quantized_model(cfg: dict[str, Any], fmt: str, device: torch.device) -> LoadedModel:
+    """Random weights; with a GGUF format, every linear slot packed."""
+    config = ModelConfig.from_hf_config(cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(config, device, dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    if fmt != "bf16":
+        for layer_index, layer in enumerate(model.layers):
+            for module in (layer.self_attn, layer.mlp):
+                for slot in type(module).linear_weights:
+                    _pack(module, slot, mix_types(fmt, layer_index, slot), config, device,
+                          generator)
+        lm_type = Q6_K if fmt == "Q4_K_M" else TYPE_IDS[fmt]
+        if not config.tie_word_embeddings:
+            _pack(model, "lm_head", lm_type, config, device, generator)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return LoadedModel(config, model, n_params, nbytes)
+
+
+def _pack(module: torch.nn.Module, slot: str, types: list[int] | int, config: ModelConfig,
+          device: torch.device, generator: torch.Generator) -> None:
+    weight = getattr(module, slot)
+    rows, k = weight.shape
+    if isinstance(types, int):
+        parts = [(rows, types)]
+    else:  # q, k, v
+        parts = [(config.q_size, types[0]), (config.kv_size, types[1]), (config.kv_size, types[2])]
+    packed = QuantizedWeight(parts, k, device)
+    for segment in packed.segments():
+        segment.packed.copy_(random_blocks(segment.qtype, segment.rows, k, device, generator))
+    delattr(module, slot)
+    setattr(module, slot, packed)
+
+
+def step_bytes(loaded: LoadedModel, context: int) -> int:
+    """Bytes a batch-1 decode step reads: every weight (packed ones as
+    stored) but the embedding, of which one row, and the context's KV."""
+    model, config = loaded.model, loaded.config
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                if t is not model.embed_tokens and t.dtype != torch.float32)
+    total += config.hidden_size * model.embed_tokens.element_size()
+    if config.tie_word_embeddings:
+        total += model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total + config.kv_bytes_per_token(torch.bfloat16) * context
+
+
+def prompts_of(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def bench_format(cfg: dict[str, Any], shape: str, fmt: str, args: argparse.Namespace,
+                 device: torch.device, copy_rate: float) -> list[dict[str, Any]]:
+    cuda = device.type == "cuda"
+    loaded = quantized_model(cfg, fmt, device)
+    prompt_len = 128
+    core, events = make_engine(loaded, device=device.type,
+                               dtype="bfloat16" if cuda else "float32",
+                               max_concurrency=args.batch, max_batched_tokens=max(args.prefill, 2048),
+                               max_context=max(prompt_len + args.tokens, args.prefill) + 16)
+    vocab = loaded.config.vocab_size
+    rows: list[dict[str, Any]] = []
+    for batch in (1, args.batch):
+        prompts = prompts_of(batch, prompt_len, vocab, batch)
+        run_batch(core, events, f"warm-{batch}", prompts, 4, cuda)
+        prefill_s, _ = run_batch(core, events, f"prefill-{batch}", prompts, 1, cuda)
+        seconds, _ = run_batch(core, events, f"decode-{batch}", prompts, args.tokens, cuda)
+        decode_s = max(seconds - prefill_s, 1e-9)
+        row: dict[str, Any] = {"shape": shape, "format": fmt, "section": "decode", "batch": batch,
+                               "tok_s": batch * (args.tokens - 1) / decode_s}
+        if batch == 1 and cuda:
+            nbytes = step_bytes(loaded, prompt_len + args.tokens // 2)
+            roofline = copy_rate / nbytes
+            row.update(step_gb=nbytes / 1e9, roofline_tok_s=roofline,
+                       of_roofline=row["tok_s"] / roofline)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    prompt = prompts_of(1, args.prefill, vocab, 99)
+    run_batch(core, events, "warm-prefill", prompt, 1, cuda)
+    seconds, _ = run_batch(core, events, "prefill", prompt, 1, cuda)
+    row = {"shape": shape, "format": fmt, "section": "prefill", "tokens": args.prefill,
+           "tok_s": args.prefill / seconds}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    del core, events, loaded
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3-8b,qwen3-0.6b")
+    parser.add_argument("--formats", default="bf16,Q8_0,Q4_K,Q4_K_M")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    cuda = device.type == "cuda"
+    shapes = args.shapes.split(",")
+    if args.smoke:
+        shapes, args.tokens, args.batch, args.prefill = ["tiny"], 4, 2, 32
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                               "device": torch.cuda.get_device_name() if cuda else "cpu",
+                               "rows": []}
+    copy_rate = copy_bandwidth(device) if cuda else 0.0
+    results["copy_gb_s"] = copy_rate / 1e9
+    for shape in shapes:
+        cfg = {**hf_config("qwen3-0.6b"), **TINY} if shape == "tiny" else hf_config(shape)
+        for fmt in args.formats.split(","):
+            results["rows"] += bench_format(cfg, shape, fmt, args, device, copy_rate)
+    if not args.smoke:
+        out = Path(os.environ.get("OUT", "."))
+        (out / "bench_gpu_quant.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
