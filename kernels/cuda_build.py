@@ -27,6 +27,14 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 
 # NVRTC options common to every module. No fast-math: exp and division must
 # round as the references do, and attention softmax already uses exp2f.
+# Flush-to-zero is on all the same: CuPy appends -ftz=true after these options
+# (cupy.cuda.compiler._compile_with_cache_cuda), so float32 arithmetic,
+# comparisons and libdevice math (expf, logf, rsqrtf) read and write
+# subnormals (|x| < 2^-126) as +-0 where torch keeps them. bf16/fp16
+# instructions and inline PTX without .ftz are unaffected. Never build a
+# float32 that may be subnormal from integer bits (e4m3 as the float bits of
+# value * 2^-120 lost its subnormal codes): widen through fp16 (cvt.f32.f16).
+# Elsewhere only values that pass through magnitudes below 2^-126 change.
 _OPTIONS = ("--std=c++17",)
 
 

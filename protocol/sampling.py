@@ -61,11 +61,15 @@ class ReasoningBudget(msgspec.Struct, array_like=True, omit_defaults=True, froze
     after_ids: list[int] = []
 
 
+# Temperatures below this sample greedily (vLLM's threshold too).
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     """Per-request sampling settings, already validated by the router.
 
     top_k <= 0 and top_p == 1.0 and min_p == 0.0 each mean "off";
-    temperature == 0.0 means greedy.
+    temperature == 0.0 (or below GREEDY_TEMPERATURE) means greedy.
     """
 
     max_tokens: int
@@ -137,7 +141,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE, logits / temperature overflows float32
+        # (a 1e-40 temperature made the CPU sampler raise on inf and the
+        # kernel pick token 0); the distribution is one-hot there anyway.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

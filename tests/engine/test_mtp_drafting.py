@@ -242,3 +242,21 @@ def test_drafting_goes_on_after_sleep_and_wake(with_head, weights: str) -> None:
     assert drafted
     for known, draft in drafted:
         assert draft == head.draft(known, len(draft)), len(known)
+
+
+def test_drafting_with_an_fp8_kv_cache(with_head) -> None:
+    """--kv-dtype fp8 stores the model's K/V in e4m3 (so its hidden states,
+    and the head's drafts, are not transformers' exactly); the head's own
+    K/V stays in the model dtype, and the output is plain decoding's."""
+    directory, _, _ = with_head
+    tokens = prompt(96, 17)
+    plain, plain_events = make_engine(directory, kv_dtype="fp8")
+    want = run_all(plain, plain_events, {"r": (tokens, greedy(10))})["r"].tokens
+    core, events = make_engine(directory, spec="mtp", draft_tokens=2, kv_dtype="fp8")
+    drafter = core.scheduler.drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.kv is not None
+    assert core.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert drafter.kv[0].dtype == torch.float32
+    seen = _recording(drafter)
+    assert run_all(core, events, {"r": (tokens, greedy(10))})["r"].tokens == want
+    assert any(draft for _, draft in seen)

@@ -28,6 +28,16 @@ def test_greedy_is_argmax() -> None:
     assert draws({"top_k": 1}, count=5).tolist() == [0] * 5
 
 
+def test_a_vanishing_temperature_is_greedy() -> None:
+    """logits / 1e-40 overflows float32: the draw raised on inf before; any
+    temperature below 1e-5 now samples the argmax, as temperature 0 does."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]]).repeat(4, 1)
+    for temperature in (1e-40, 1e-20, 9e-6):
+        rows = [seq(f"r{i}", temperature=temperature) for i in range(4)]
+        assert Sampler(torch.device("cpu"), seed=0).sample(logits.clone(), rows) == [1] * 4
+    assert not SamplingParams(max_tokens=1, temperature=1e-4).greedy
+
+
 def test_temperature_sampling_follows_the_softmax() -> None:
     got = torch.bincount(draws({"temperature": 1.0}), minlength=5).float() / 2000
     expected = LOGITS[0].softmax(-1)
