@@ -170,10 +170,14 @@ def write_kv_cache(
 
     k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D], contiguous, of k/v's
     dtype, or float8_e4m3fn (an fp8 cache: quantize_fp8 with k_scale,
-    v_scale); slot_mapping: int64 [T], slot = page * S + offset, every slot
-    valid (>= 0) and distinct.
+    v_scale); slot_mapping: int64 [T], slot = page * S + offset, distinct;
+    a slot of -1 writes nothing, as in our kernels (graph padding rows, an
+    MTP head's rows with no next token).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     if k_cache.dtype == torch.float8_e4m3fn:
         # Moved as bytes: torch has no float8 index_copy_ on the CPU.
         k = quantize_fp8(k, k_scale).view(torch.uint8)

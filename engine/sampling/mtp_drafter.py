@@ -142,7 +142,7 @@ class MTPDrafter:
         hidden states in their hidden_out): the head replays its own graph
         of that shape (engine/execution/mtp_graphs.py)."""
         assert self.kv is not None and self.kept is not None, "observe() while asleep"
-        if not out.chunks or any(chunk.seq.params.pooling is not None for chunk in out.chunks):
+        if not out.chunks:
             return
         next_ids = np.full(inputs.num_tokens, _UNKNOWN, dtype=np.int64)
         known = np.zeros(inputs.num_tokens, dtype=bool)
@@ -152,6 +152,9 @@ class MTPDrafter:
         for chunk in out.chunks:
             seq, count = chunk.seq, chunk.num_tokens
             tokens = seq.token_ids
+            if seq.params.pooling is not None:
+                row += count  # an embedding's prompt: nothing to draft after it
+                continue
             if chunk.draft:
                 # Row 0's next token is the sampled one (its placeholder);
                 # the draft rows' come from the targets, filled in below.

@@ -260,3 +260,20 @@ def test_drafting_with_an_fp8_kv_cache(with_head) -> None:
     seen = _recording(drafter)
     assert run_all(core, events, {"r": (tokens, greedy(10))})["r"].tokens == want
     assert any(draft for _, draft in seen)
+
+
+def test_an_embedding_in_the_same_steps_leaves_drafting_intact(with_head) -> None:
+    """An embedding request's prompt shares steps with a generating one: the
+    head still runs over the generating rows, so its drafts stay the
+    reference's."""
+    directory, hf, head = with_head
+    core, events = make_engine(directory, spec="mtp", draft_tokens=2)
+    seen = _recording(core.scheduler.drafter)  # type: ignore[arg-type]
+    tokens = prompt(97, 14)
+    embed = p.SamplingParams(max_tokens=0, pooling="mean")
+    got = run_all(core, events, {"gen": (tokens, greedy(10)), "emb": (prompt(98, 60), embed)})
+    assert got["gen"].tokens == hf_greedy(hf, tokens, 10)
+    drafted = [(t, d) for t, d in seen if d]
+    assert drafted
+    for known, draft in drafted:
+        assert draft == head.draft(known, len(draft)), len(known)

@@ -119,6 +119,17 @@ def test_write_kv_cache_fills_exactly_the_mapped_slots() -> None:
     assert k_cache.count_nonzero() == k.count_nonzero()
 
 
+def test_a_slot_of_minus_one_writes_nothing() -> None:
+    """As our kernels' padding rows: the other rows land, nothing else moves."""
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([13, -1, 7]))
+    torch.testing.assert_close(k_cache[3, 1], k[0], rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[1, 3], v[2], rtol=0, atol=0)
+    assert k_cache.count_nonzero() == k[0].count_nonzero() + k[2].count_nonzero()
+
+
 # -- rotary embeddings ---------------------------------------------------------
 
 LLAMA3_SCALING = {
