@@ -132,3 +132,47 @@ def check_cuda_tensor(
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+
+
+def device_index_of(tensor: torch.Tensor) -> int:
+    """The CUDA device index a tensor lives on ("cuda" means the current one)."""
+    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes a and b span (first to last element) intersect."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def check_row_strided_out(out: torch.Tensor, rows: int, n: int, device: torch.device) -> int:
+    """Validate a GEMV output: bf16 [rows, n] on device whose rows are
+    contiguous, possibly a column range of a wider matrix (row stride >= n,
+    as when a weight's row segments write their columns of one output).
+    Returns the row stride in elements."""
+    if not out.is_cuda or out.device != device:
+        raise ValueError(f"out must be a CUDA tensor on {device}, got one on {out.device}")
+    if out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be torch.bfloat16, got {out.dtype}")
+    if tuple(out.shape) != (rows, n):
+        raise ValueError(f"out must be {(rows, n)}, got {tuple(out.shape)}")
+    row_stride, column_stride = out.stride()
+    if (column_stride != 1 and n > 1) or (row_stride < n and rows > 1):
+        raise ValueError(f"out's rows must be contiguous and not overlap, got strides {out.stride()}")
+    return row_stride if rows > 1 else n
+
+
+def row_strided_out_overlaps(out: torch.Tensor, row_stride: int, tensor: torch.Tensor) -> bool:
+    """Whether a [rows, n] output with this row stride spans any byte of tensor."""
+    start = out.data_ptr()
+    end = start + ((out.shape[0] - 1) * row_stride + out.shape[1]) * out.element_size()
+    t_start = tensor.data_ptr()
+    t_end = t_start + tensor.numel() * tensor.element_size()
+    return start < t_end and t_start < end

@@ -25,13 +25,21 @@ device's SM count).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import (
+    check_cuda_tensor,
+    check_row_strided_out,
+    device_index_of,
+    launch,
+    load_kernel,
+    ptr,
+    row_strided_out_overlaps,
+    sm_count,
+    tensors_overlap,
+)
 from kernels.fp8_reference import FP8, FP8_BLOCK, scale_shape
 
 # 16 = two n8 tiles of the mma: batches of 9-16 rows also read the weight
@@ -46,15 +54,6 @@ _WARPS_MANY_CTAS = 8
 _WARPS_FEW_CTAS = 16
 _DEQUANT_THREADS = 256
 _MAX_INDEX = 2**31 - 1
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_index(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
 
 
 def fp8_shape_supported(n: int, k: int) -> bool:
@@ -79,34 +78,6 @@ def _check_weight(weight: torch.Tensor, scales: torch.Tensor,
     if weight.data_ptr() % 16:
         raise ValueError("weight must start at a 16-byte aligned address")
     return n, k
-
-
-def _check_out(out: torch.Tensor, rows: int, n: int, device: torch.device) -> int:
-    """Validate a GEMV output: bf16 [rows, n] on device whose rows are
-    contiguous, possibly a column range of a wider matrix (row stride >= n).
-    Returns the row stride in elements."""
-    if not out.is_cuda or out.device != device:
-        raise ValueError(f"out must be a CUDA tensor on {device}, got one on {out.device}")
-    if out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be torch.bfloat16, got {out.dtype}")
-    if tuple(out.shape) != (rows, n):
-        raise ValueError(f"out must be {(rows, n)}, got {tuple(out.shape)}")
-    row_stride, column_stride = out.stride()
-    if (column_stride != 1 and n > 1) or (row_stride < n and rows > 1):
-        raise ValueError(f"out's rows must be contiguous and not overlap, got strides {out.stride()}")
-    return row_stride if rows > 1 else n
-
-
-def _span(tensor: torch.Tensor, row_stride: int | None = None) -> tuple[int, int]:
-    start = tensor.data_ptr()
-    if row_stride is None:
-        return start, start + tensor.numel() * tensor.element_size()
-    elements = (tensor.shape[0] - 1) * row_stride + tensor.shape[1]
-    return start, start + elements * tensor.element_size()
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -134,13 +105,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
         out_stride = n
     else:
-        out_stride = _check_out(out, rows, n, x.device)
-        span = _span(out, out_stride)
-        if any(_overlap(span, _span(t)) for t in (x, weight, scales)):
+        out_stride = check_row_strided_out(out, rows, n, x.device)
+        if any(row_strided_out_overlaps(out, out_stride, t) for t in (x, weight, scales)):
             raise ValueError("out must not overlap x, weight or scales")
-    index = _device_index(x)
+    index = device_index_of(x)
     ctas = -(-n // _ROWS_PER_CTA)
-    most = _WARPS_MANY_CTAS if ctas >= _sm_count(index) else _WARPS_FEW_CTAS
+    most = _WARPS_MANY_CTAS if ctas >= sm_count(index) else _WARPS_FEW_CTAS
     warps = max(1, min(most, k // FP8_BLOCK))
     tiles = 1 if rows <= 8 else 2
     kernel = load_kernel(_SOURCE, f"fp8_gemv_nt{tiles}", index)
@@ -159,11 +129,11 @@ def dequantize_to(weight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
         raise ValueError(f"out must be {(n, k)} to match weight, got {tuple(out.shape)}")
     if out.data_ptr() % 16:
         raise ValueError("out must start at a 16-byte aligned address")
-    if _overlap(_span(out), _span(weight)) or _overlap(_span(out), _span(scales)):
+    if tensors_overlap(out, weight) or tensors_overlap(out, scales):
         raise ValueError("out must not overlap weight or scales")
-    index = _device_index(out)
+    index = device_index_of(out)
     groups = n * k // 16
-    ctas = max(1, min(-(-groups // _DEQUANT_THREADS), 32 * _sm_count(index)))
+    ctas = max(1, min(-(-groups // _DEQUANT_THREADS), 32 * sm_count(index)))
     kernel = load_kernel(_SOURCE, "fp8_dequantize", index)
     args = (ptr(out), ptr(weight), ptr(scales), np.int32(groups), np.int32(k))
     launch(kernel, (ctas,), (_DEQUANT_THREADS,), args, out.device)
@@ -198,7 +168,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     dense = dequantize_to(weight, scales, scratch.view(-1)[: n * k].view(n, k))
     if out is None:
         return F.linear(x, dense)
-    _check_out(out, rows, n, x.device)
+    check_row_strided_out(out, rows, n, x.device)
     if out.is_contiguous():
         # The same cuBLAS call as F.linear without a bias (x @ dense.T), into out.
         return torch.mm(x, dense.t(), out=out)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, tensors_overlap
 
 _SOURCE = "gated_delta.cu"
 _CONV_WIDTHS = (2, 3, 4)
@@ -89,13 +89,6 @@ def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> int:
     return x.stride(0)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...],
                device: torch.device) -> torch.Tensor:
     if out is None:
@@ -135,7 +128,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{tuple(conv_states.shape)}")
     slots, fresh, num_seqs = _check_batch(slots, fresh, query_start_loc, device)
     out = _check_out(out, (tokens, channels), device)
-    if tokens and _overlaps(out, x):
+    if tokens and tensors_overlap(out, x):
         raise ValueError("out must not overlap x (the state update reads x after the conv)")
     if tokens == 0 or num_seqs == 0:
         return out

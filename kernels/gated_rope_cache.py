@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, tensors_overlap
 from kernels.kv_cache_dtype import check_kv_caches, writer_scales
 
 _SOURCE = "gated_rope_cache.cu"
@@ -44,13 +44,6 @@ def rotary_dim_supported(head_dim: int, rotary_dim: int) -> bool:
 def _check_aligned(name: str, tensor: torch.Tensor) -> None:
     if tensor.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address")
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
 
 
 def _check_norm_weight(name: str, weight: torch.Tensor, head_dim: int,
@@ -144,9 +137,9 @@ def gated_rope_and_cache(
     if tokens == 0:
         return q_out
     for name, written in (("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if _overlaps(written, projected):
+        if tensors_overlap(written, projected):
             raise ValueError(f"{name} must not overlap projected")
-    if _overlaps(k_cache, v_cache) or _overlaps(q_out, k_cache) or _overlaps(q_out, v_cache):
+    if tensors_overlap(k_cache, v_cache) or tensors_overlap(q_out, k_cache) or tensors_overlap(q_out, v_cache):
         raise ValueError("q_out, k_cache and v_cache must not overlap")
 
     kernel = load_kernel(_SOURCE, f"gated_rope_and_cache_d{head_dim}{'_fp8' if fp8 else ''}",
@@ -189,9 +182,9 @@ def sigmoid_gate_mul(attn: torch.Tensor, projected: torch.Tensor, num_heads: int
         _check_aligned(name, tensor)
     if tokens == 0:
         return out
-    if _overlaps(out, projected):
+    if tensors_overlap(out, projected):
         raise ValueError("out must not overlap projected")
-    if out.data_ptr() != attn.data_ptr() and _overlaps(out, attn):
+    if out.data_ptr() != attn.data_ptr() and tensors_overlap(out, attn):
         raise ValueError("out must be attn itself or not overlap it")
     grid = -(-(tokens * q_size // 8) // _THREADS)
     if grid >= 2**31:

@@ -24,13 +24,22 @@ device's SM count).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, set_max_dynamic_shared
+from kernels.cuda_build import (
+    check_cuda_tensor,
+    check_row_strided_out,
+    device_index_of,
+    launch,
+    load_kernel,
+    ptr,
+    row_strided_out_overlaps,
+    set_max_dynamic_shared,
+    sm_count,
+    tensors_overlap,
+)
 
 GGUF_KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
@@ -88,22 +97,6 @@ def packed_row_bytes(qtype: int, k: int) -> int:
     return k // block * size
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_index(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
 def _check_packed(packed: torch.Tensor, qtype: int, k: int, device: torch.device | None) -> int:
     """Validate packed [N, packed_row_bytes(qtype, k)]; returns N."""
     check_cuda_tensor("packed", packed, dtype=torch.uint8, ndim=2, device=device)
@@ -121,31 +114,6 @@ def _check_packed(packed: torch.Tensor, qtype: int, k: int, device: torch.device
     if not 1 <= n <= _MAX_INDEX // k:
         raise ValueError(f"packed has {n} rows; 1 to {_MAX_INDEX // k} are supported")
     return n
-
-
-def _check_out(out: torch.Tensor, rows: int, n: int, device: torch.device) -> int:
-    """Validate a GEMV output: bf16 [rows, n] on device whose rows are
-    contiguous, possibly a column range of a wider matrix (row stride >= n,
-    as when a weight's row segments write their columns of one output).
-    Returns the row stride in elements."""
-    if not out.is_cuda or out.device != device:
-        raise ValueError(f"out must be a CUDA tensor on {device}, got one on {out.device}")
-    if out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be torch.bfloat16, got {out.dtype}")
-    if tuple(out.shape) != (rows, n):
-        raise ValueError(f"out must be {(rows, n)}, got {tuple(out.shape)}")
-    row_stride, column_stride = out.stride()
-    if (column_stride != 1 and n > 1) or (row_stride < n and rows > 1):
-        raise ValueError(f"out's rows must be contiguous and not overlap, got strides {out.stride()}")
-    return row_stride if rows > 1 else n
-
-
-def _out_span_overlaps(out: torch.Tensor, row_stride: int, tensor: torch.Tensor) -> bool:
-    start = out.data_ptr()
-    end = start + ((out.shape[0] - 1) * row_stride + out.shape[1]) * out.element_size()
-    t_start = tensor.data_ptr()
-    t_end = t_start + tensor.numel() * tensor.element_size()
-    return start < t_end and t_start < end
 
 
 def _gemv_layout(n: int, k: int, qtype: int, sms: int) -> tuple[int, int, int, int]:
@@ -182,11 +150,11 @@ def quant_gemv(x: torch.Tensor, packed: torch.Tensor, qtype: int,
         out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
         out_stride = n
     else:
-        out_stride = _check_out(out, rows, n, x.device)
-        if _out_span_overlaps(out, out_stride, x) or _out_span_overlaps(out, out_stride, packed):
+        out_stride = check_row_strided_out(out, rows, n, x.device)
+        if row_strided_out_overlaps(out, out_stride, x) or row_strided_out_overlaps(out, out_stride, packed):
             raise ValueError("out must not overlap x or packed")
-    index = _device_index(x)
-    ctas, warps, blocks, units = _gemv_layout(n, k, qtype, _sm_count(index))
+    index = device_index_of(x)
+    ctas, warps, blocks, units = _gemv_layout(n, k, qtype, sm_count(index))
     tiles = 1 if rows <= 8 else 2
     # Warp w sums x-row tile w over the warps' partials at the end: 9..16
     # rows need two warps even where K is one unit (the second idles in K).
@@ -211,11 +179,11 @@ def dequantize_to(packed: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.
         raise ValueError(f"out must have {n} rows to match packed, got {tuple(out.shape)}")
     if out.data_ptr() % 16:
         raise ValueError("out must start at a 16-byte aligned address")
-    if _overlaps(out, packed):
+    if tensors_overlap(out, packed):
         raise ValueError("out must not overlap packed")
-    index = _device_index(out)
+    index = device_index_of(out)
     groups = n * k // 8
-    ctas = max(1, min(-(-groups // _DEQUANT_THREADS), 32 * _sm_count(index)))
+    ctas = max(1, min(-(-groups // _DEQUANT_THREADS), 32 * sm_count(index)))
     kernel = load_kernel(_SOURCE, f"gguf_dequantize_{name}", index)
     args = (ptr(out), ptr(packed), np.int32(n), np.int32(k), np.int32(k // _BLOCK[qtype][0]))
     launch(kernel, (ctas,), (_DEQUANT_THREADS,), args, out.device)
@@ -250,7 +218,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, k: int,
             raise ValueError(f"scratch must hold at least {n * k} elements, got {scratch.numel()}")
     weight = scratch.view(-1)[: n * k].view(n, k)
     if out is not None:
-        _check_out(out, rows, n, x.device)
+        check_row_strided_out(out, rows, n, x.device)
     dequantize_to(packed, qtype, weight)
     if out is None:
         return F.linear(x, weight)

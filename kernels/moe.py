@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import (
+    check_cuda_tensor,
+    device_index_of,
+    launch,
+    load_kernel,
+    ptr,
+    tensors_overlap,
+)
 
 _SOURCE = "moe.cu"
 MAX_EXPERTS = 512  # moe_route: 16 experts per lane of a warp
@@ -28,17 +35,6 @@ _DOWN_ROWS = 4  # H rows per down CTA
 _DOWN_THREADS = 256
 _MAX_INDEX = 2**31 - 1
 _MAX_GRID_Y = 65535
-
-
-def _device_index(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
 
 
 def _check_aligned(name: str, tensor: torch.Tensor) -> None:
@@ -93,13 +89,13 @@ def moe_route(
         ids_out = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     else:
         _check_output("ids_out", ids_out, torch.int32, (tokens, top_k), device)
-    if _overlaps(weights_out, ids_out) or _overlaps(weights_out, router_logits) \
-            or _overlaps(ids_out, router_logits):
+    if tensors_overlap(weights_out, ids_out) or tensors_overlap(weights_out, router_logits) \
+            or tensors_overlap(ids_out, router_logits):
         raise ValueError("weights_out, ids_out and router_logits must not overlap")
     if tokens == 0:
         return weights_out, ids_out
     name = "moe_route_bf16" if router_logits.dtype == torch.bfloat16 else "moe_route_f32"
-    kernel = load_kernel(_SOURCE, name, _device_index(router_logits))
+    kernel = load_kernel(_SOURCE, name, device_index_of(router_logits))
     blocks = -(-tokens // _ROUTE_WARPS)
     args = (ptr(weights_out), ptr(ids_out), ptr(router_logits), np.int32(tokens),
             np.int32(num_experts), np.int32(top_k), np.int32(1 if normalize else 0))
@@ -219,19 +215,19 @@ def moe_experts_gemv(
                              f"got {tuple(workspace.shape)}")
         _check_aligned("workspace", workspace)
         for name, tensor in inputs.items():
-            if _overlaps(workspace, tensor):
+            if tensors_overlap(workspace, tensor):
                 raise ValueError(f"workspace must not overlap {name}")
     if out is None:
         out = torch.empty((tokens, hidden_size), dtype=torch.bfloat16, device=device)
     else:
         _check_output("out", out, torch.bfloat16, (tokens, hidden_size), device)
         for name, tensor in (*inputs.items(), ("workspace", workspace)):
-            if _overlaps(out, tensor):
+            if tensors_overlap(out, tensor):
                 raise ValueError(f"out must not overlap {name}")
     if tokens == 0:
         return out
 
-    index = _device_index(hidden)
+    index = device_index_of(hidden)
     gate_up_kernel = load_kernel(_SOURCE, "moe_gate_up_silu", index)
     down_kernel = load_kernel(_SOURCE, "moe_down_sum", index)
     shape_args = (np.int32(top_k), np.int32(num_experts), np.int32(hidden_size),

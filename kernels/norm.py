@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, tensors_overlap
 
 _SOURCE = "norm.cu"
 _VECTOR = 8  # bf16 per 16-byte access
@@ -92,13 +92,6 @@ def _check_or_make_out(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
 def _kernel_name(add: bool, zero_centred: bool, suffix: str) -> str:
     return f"{'add_' if add else ''}{'zc_' if zero_centred else ''}rms_norm_{suffix}"
 
@@ -149,7 +142,7 @@ def add_rms_norm(
     _check_aligned("residual", residual)
     _check_weight(weight, hidden, x.device)
     out = _check_or_make_out(out, x)
-    if tokens and _overlaps(out, residual):
+    if tokens and tensors_overlap(out, residual):
         raise ValueError("out must not overlap residual (both are written)")
     if tokens == 0:
         return out, residual

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr, tensors_overlap
 from kernels.kv_cache_dtype import check_kv_caches, writer_scales
 
 _SOURCE = "rope_cache.cu"
@@ -29,13 +29,6 @@ def _check_aligned(name: str, tensor: torch.Tensor) -> None:
     # 16-byte vector accesses: a view starting mid-vector would fault.
     if tensor.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address")
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
 
 
 def _check_norm_weight(name: str, weight: torch.Tensor | None, head_dim: int,
@@ -138,9 +131,9 @@ def rope_and_cache(
         return q_out
     # Threads read qkv while others write q_out and the caches.
     for name, written in (("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if _overlaps(written, qkv):
+        if tensors_overlap(written, qkv):
             raise ValueError(f"{name} must not overlap qkv")
-    if _overlaps(k_cache, v_cache) or _overlaps(q_out, k_cache) or _overlaps(q_out, v_cache):
+    if tensors_overlap(k_cache, v_cache) or tensors_overlap(q_out, k_cache) or tensors_overlap(q_out, v_cache):
         raise ValueError("q_out, k_cache and v_cache must not overlap")
 
     kernel = load_kernel(_SOURCE, f"rope_and_cache_d{head_dim}{'_fp8' if fp8 else ''}",

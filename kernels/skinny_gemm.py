@@ -15,12 +15,17 @@ launch grid depends only on the shapes (and the device's SM count).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from kernels.cuda_build import check_cuda_tensor, launch, load_kernel, ptr
+from kernels.cuda_build import (
+    check_cuda_tensor,
+    launch,
+    load_kernel,
+    ptr,
+    sm_count,
+    tensors_overlap,
+)
 
 SKINNY_MAX_ROWS = 8
 
@@ -38,11 +43,6 @@ _WARPS_FEW_CTAS = 32
 # the last CTA) far from overflow.
 _MAX_K = 2**30
 _MAX_N = 2**30
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _layout(rows: int, k: int, sms: int) -> tuple[int, int, int, int]:
@@ -93,13 +93,6 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _aligned(x) and _aligned(weight)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -144,11 +137,11 @@ def skinny_linear(
         # Other CTAs may still read x, the weight or the bias after one has
         # written its outputs.
         inputs = [x, weight] if bias is None else [x, weight, bias]
-        if any(_overlaps(out, tensor) for tensor in inputs):
+        if any(tensors_overlap(out, tensor) for tensor in inputs):
             raise ValueError("out must not overlap x, weight or bias")
 
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    row_groups, ctas, warps, steps = _layout(n, k, _sm_count(device_index))
+    row_groups, ctas, warps, steps = _layout(n, k, sm_count(device_index))
     kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}", device_index)
     args = (
         ptr(out),

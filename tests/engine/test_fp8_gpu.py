@@ -17,21 +17,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import protocol as p
 from engine.execution.fp8_weight import Fp8Weight
 from engine.execution.model_ops import CudaOps, make_ops
 from engine.execution.quantized_weight import quantized_weights
 from engine.loader import load_model
 from engine.process import bootstrap
 from engine.process.bootstrap import loaded_weights_bytes
-from tests.engine.in_process import make_engine, run_to_completion, step_outputs
+from tests.engine.quantized_agreement import (
+    AGREED_TOKENS,
+    PROMPTS,
+    agreed,
+    assert_within_top5,
+    greedy_tokens,
+    reference_top5,
+)
 from tests.support.fp8_checkpoints import write_float_qwen3, write_fp8_copy
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
-PROMPTS = [[1, 7, 300, 42, 9] * 4, list(range(10, 47)), [3] * 11, list(range(380, 3, -9))]
-AGREED_TOKENS = 4
 # q, k, v, o, gate, up, down of two layers.
 PROJECTION_ELEMENTS = 2 * (2 * 65536 + 2 * 32768 + 3 * 98304)
 
@@ -83,66 +87,18 @@ def test_linear_matches_the_dequantized_matrix(fp8_dir: Path) -> None:
         <= 2e-2 * expected.abs().max().item() + 1e-3
 
 
-def _greedy_tokens(model: Path, **options: object) -> list[list[int]]:
-    core, events = make_engine(model, device="cuda", dtype="bfloat16", page_size=16,
-                               max_concurrency=4, max_batched_tokens=256,
-                               kv_capacity_tokens=4096, **options)
-    params = p.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    found = []
-    for index, prompt in enumerate(PROMPTS):
-        outputs = step_outputs(run_to_completion(core, events, {f"r{index}": (prompt, params)}))
-        found.append([t for o in outputs for t in o.token_ids])
-    return found
-
-
-def _agreed(a: list[list[int]], b: list[list[int]]) -> list[int]:
-    counts = []
-    for x, y in zip(a, b, strict=True):
-        same = 0
-        while same < min(len(x), len(y)) and x[same] == y[same]:
-            same += 1
-        counts.append(same)
-    return counts
-
-
-def _reference_top5(model: Path, produced: list[list[int]], **options: object
-                    ) -> list[list[list[int]]]:
-    """Per prompt, per produced token: the reference engine's five most
-    likely tokens after the prompt and the produced tokens before it."""
-    core, events = make_engine(model, device="cuda", dtype="bfloat16", page_size=16,
-                               max_concurrency=4, max_batched_tokens=256,
-                               kv_capacity_tokens=4096, **options)
-    score = p.SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=5)
-    found = []
-    for index, (prompt, tokens) in enumerate(zip(PROMPTS, produced, strict=True)):
-        outputs = step_outputs(run_to_completion(core, events,
-                                                 {f"s{index}": (prompt + tokens, score)}))
-        entries = [entry for o in outputs for entry in o.prompt_logprobs]
-        found.append([entry.top_ids for entry in entries[len(prompt) - 1:]])
-    return found
-
-
-def _assert_within_top5(produced: list[list[int]], top5: list[list[list[int]]]) -> None:
-    """The issue's criterion: every token the quantized model produced is among
-    the reference's five most likely after the same tokens (so after a
-    divergence at a near-tie it keeps following the reference's view)."""
-    for prompt_index, (tokens, tops) in enumerate(zip(produced, top5, strict=True)):
-        for position, (token, top) in enumerate(zip(tokens, tops, strict=True)):
-            assert token in top, (prompt_index, position, token, top)
-
-
 def test_greedy_tokens_agree_with_the_dequantized_model(
         fp8_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fp8 = _greedy_tokens(fp8_dir)
+    fp8 = greedy_tokens(fp8_dir)
     monkeypatch.setattr(bootstrap, "load_model", functools.partial(load_model,
                                                                    packed_quant=False))
-    dequantized = _greedy_tokens(fp8_dir)
-    agreed = _agreed(fp8, dequantized)
-    print(f"{fp8_dir.parent.name}: tokens agreed before any divergence {agreed} of 16")
+    dequantized = greedy_tokens(fp8_dir)
+    same = agreed(fp8, dequantized)
+    print(f"{fp8_dir.parent.name}: tokens agreed before any divergence {same} of 16")
     # The same weights: the first tokens agree (ties aside), and every token
     # is among the dequantized model's best five.
-    assert sum(agreed) >= AGREED_TOKENS * len(PROMPTS), (fp8, dequantized)
-    _assert_within_top5(fp8, _reference_top5(fp8_dir, fp8))
+    assert sum(same) >= AGREED_TOKENS * len(PROMPTS), (fp8, dequantized)
+    assert_within_top5(fp8, reference_top5(fp8_dir, fp8))
 
 
 def test_quantize_fp8_halves_the_projection_bytes(float_dir: Path) -> None:
@@ -156,9 +112,9 @@ def test_quantize_fp8_halves_the_projection_bytes(float_dir: Path) -> None:
 
 
 def test_quantize_fp8_serves_and_agrees_with_bf16(float_dir: Path) -> None:
-    tokens = _greedy_tokens(float_dir, quantize="fp8")
-    plain = _greedy_tokens(float_dir)
-    agreed = _agreed(tokens, plain)
-    print(f"--quantize fp8: tokens agreed with bf16 before any divergence {agreed} of 16")
+    tokens = greedy_tokens(float_dir, quantize="fp8")
+    plain = greedy_tokens(float_dir)
+    same = agreed(tokens, plain)
+    print(f"--quantize fp8: tokens agreed with bf16 before any divergence {same} of 16")
     # Quantized weights are other weights: every token among bf16's best five.
-    _assert_within_top5(tokens, _reference_top5(float_dir, tokens))
+    assert_within_top5(tokens, reference_top5(float_dir, tokens))

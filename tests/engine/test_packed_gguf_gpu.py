@@ -18,22 +18,25 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-import protocol as p
 from engine.execution.model_ops import CudaOps, make_ops
 from engine.execution.quantized_weight import quantized_weights
 from engine.loader import load_model
 from engine.process import bootstrap
 from engine.process.bootstrap import loaded_weights_bytes
-from tests.engine import in_process
-from tests.engine.in_process import run_to_completion, step_outputs
+from tests.engine.quantized_agreement import (
+    AGREED_TOKENS,
+    PROMPTS,
+    agreed,
+    assert_within_top5,
+    greedy_tokens,
+    reference_top5,
+)
 from tests.engine.quantized_gguf import MATRICES, Q4_K_M_MIX, tensor_bytes, write_quantized_gguf
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
 MIXES = {"q8_0": {name: T.Q8_0 for name in MATRICES}, "q4_k_m": Q4_K_M_MIX}
-PROMPTS = [[1, 7, 300, 42, 9] * 4, list(range(10, 47)), [3] * 11, list(range(380, 3, -9))]
-AGREED_TOKENS = 4
 
 
 @pytest.fixture(scope="module", params=sorted(MIXES))
@@ -87,57 +90,16 @@ def test_linear_matches_the_dequantized_matrix(quantized_file: Path) -> None:
         <= 2e-2 * expected.abs().max().item() + 1e-3
 
 
-def _greedy_tokens(model: Path) -> list[list[int]]:
-    core, events = in_process.make_engine(model, device="cuda", dtype="bfloat16", page_size=16,
-                                          max_concurrency=4, max_batched_tokens=256,
-                                          kv_capacity_tokens=4096, gguf_weights="packed")
-    params = p.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    found = []
-    for index, prompt in enumerate(PROMPTS):
-        outputs = step_outputs(run_to_completion(core, events, {f"r{index}": (prompt, params)}))
-        found.append([t for o in outputs for t in o.token_ids])
-    return found
-
-
 def test_greedy_tokens_agree_with_the_dequantized_model(
         quantized_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = _greedy_tokens(quantized_file)
+    packed = greedy_tokens(quantized_file, gguf_weights="packed")
+    # The same engine options; the load dequantizes whatever they say.
     monkeypatch.setattr(bootstrap, "load_model", functools.partial(load_model,
                                                                    packed_quant=False))
-    dequantized = _greedy_tokens(quantized_file)
-    agreed = [sum(1 for _ in _common_prefix(a, b)) for a, b in zip(packed, dequantized,
-                                                                  strict=True)]
-    print(f"{quantized_file.name}: tokens agreed before any divergence {agreed} of 16")
+    dequantized = greedy_tokens(quantized_file, gguf_weights="packed")
+    same = agreed(packed, dequantized)
+    print(f"{quantized_file.name}: tokens agreed before any divergence {same} of 16")
     # The same weights: the first tokens agree (near-ties of the random model
     # aside), and every packed token is among the dequantized model's best five.
-    assert sum(agreed) >= AGREED_TOKENS * len(PROMPTS), (packed, dequantized)
-    _assert_within_top5(packed, _reference_top5(quantized_file, packed))
-
-
-def _reference_top5(model: Path, produced: list[list[int]]) -> list[list[list[int]]]:
-    """Per prompt, per produced token: the (dequantized, monkeypatched)
-    engine's five most likely tokens after the prompt and the tokens before."""
-    core, events = in_process.make_engine(model, device="cuda", dtype="bfloat16", page_size=16,
-                                          max_concurrency=4, max_batched_tokens=256,
-                                          kv_capacity_tokens=4096)
-    score = p.SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=5)
-    found = []
-    for index, (prompt, tokens) in enumerate(zip(PROMPTS, produced, strict=True)):
-        outputs = step_outputs(run_to_completion(core, events,
-                                                 {f"s{index}": (prompt + tokens, score)}))
-        entries = [entry for o in outputs for entry in o.prompt_logprobs]
-        found.append([entry.top_ids for entry in entries[len(prompt) - 1:]])
-    return found
-
-
-def _assert_within_top5(produced: list[list[int]], top5: list[list[list[int]]]) -> None:
-    for prompt_index, (tokens, tops) in enumerate(zip(produced, top5, strict=True)):
-        for position, (token, top) in enumerate(zip(tokens, tops, strict=True)):
-            assert token in top, (prompt_index, position, token, top)
-
-
-def _common_prefix(a: list[int], b: list[int]):
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            return
-        yield x
+    assert sum(same) >= AGREED_TOKENS * len(PROMPTS), (packed, dequantized)
+    assert_within_top5(packed, reference_top5(quantized_file, packed, gguf_weights="packed"))
