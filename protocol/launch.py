@@ -115,6 +115,13 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # GGUF_WEIGHTS: "packed" keeps a GGUF's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices
     # in their blocks on the device (our CUDA kernels only).
     gguf_weights: str = "dequantized"
+    # Images in (issue 21): vision loads the model's vision tower and lets
+    # requests carry images; off, the router refuses them (400
+    # vision_disabled). mmproj: the vision projector GGUF of a GGUF model,
+    # as llama.cpp ships them in pairs (llama.cpp's --mmproj); None: the
+    # checkpoint's own tower (a Hugging Face directory), or a file found beside it.
+    vision: bool = False
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -186,6 +193,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, "
                              f"got {self.kv_dtype!r}")
+        if self.mmproj is not None and not self.vision:
+            raise ValueError("--mmproj names the vision projector of a model served with "
+                             "--vision: add --vision (or drop --mmproj)")
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
             raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_KINDS)} (or unset), "
                              f"got {self.quantize!r}")

@@ -22,12 +22,34 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
 
 # ---- router -> engine ---------------------------------------------------------
+
+
+class ImageInput(msgspec.Struct, **_STRUCT):
+    """One image of a prompt, decoded and resized by the router to the vision
+    tower's patch grid (router/media/loader.py): the engine normalises and
+    cuts the pixels into patches itself (engine/models/vision/patches.py).
+
+    offset: the index in prompt_token_ids of the first of its
+    grid_t * grid_h * grid_w / merge_size**2 image tokens, which follow each
+    other. digest: sha256 over the grid and pixels; the prefix cache keys
+    the image's tokens by it, so a later turn over the same image reuses
+    them and a different image never does.
+    """
+
+    offset: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    width: int
+    height: int
+    digest: bytes
+    rgb: bytes
 
 
 class Generate(msgspec.Struct, tag="gen", **_STRUCT):
@@ -37,6 +59,8 @@ class Generate(msgspec.Struct, tag="gen", **_STRUCT):
     # llama.cpp's id_slot: run in this lane (waiting until it is free), so
     # the lane's saved session is this request's (engine/scheduling/lanes.py).
     id_slot: int = -1
+    # The prompt's images, by offset (only for a model served with --vision).
+    images: list[ImageInput] = []
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):

@@ -12,7 +12,7 @@ from router.http.connections import body_timeout_middleware, busy_middleware
 from router.http.cors import CorsPolicy, refuse_options
 from router.http.errors import error_middleware
 from router.http.host_check import host_check_middleware
-from router.http.keys import MANAGER, STARTED
+from router.http.keys import IMAGES, MANAGER, STARTED
 from router.http.metrics_route import attach_metrics
 from router.http.observe import observe_middleware
 from router.http.readiness import readiness_middleware
@@ -20,6 +20,7 @@ from router.http.request_id import add_request_id, request_id_middleware
 from router.http.routes import ROUTES, WEBUI_ROUTES, add_routes
 from router.http.token_count_gate import token_count_gate
 from router.lifecycle import ModelManager
+from router.media.image_loader import ImageLoader
 
 
 def create_app(manager: ModelManager) -> web.Application:
@@ -59,6 +60,8 @@ def create_app(manager: ModelManager) -> web.Application:
     if cors is not None:
         app.on_response_prepare.append(cors.add_headers)
     app[MANAGER] = manager
+    app[IMAGES] = images = ImageLoader(config.media,
+                                       allow_private_addresses=config.media_allow_private_urls)
     app[KEY_STORE] = keys
     app[STARTED] = int(time.time())
     attach_metrics(app)
@@ -67,5 +70,9 @@ def create_app(manager: ModelManager) -> web.Application:
     async def stop_engines(_: web.Application) -> None:
         await manager.close()
 
+    async def close_fetcher(_: web.Application) -> None:
+        await images.close()
+
     app.on_shutdown.append(stop_engines)
+    app.on_cleanup.append(close_fetcher)
     return app

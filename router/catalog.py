@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from protocol.vision import VisionSpec, VisionSpecError, read_vision_spec
 from router.config import ServeConfig
 from router.options import resolve_settings
 from router.presets import Preset, PresetError, PresetSection, load_preset
@@ -32,6 +33,9 @@ class CatalogEntry:
     path: Path
     format: str  # "gguf" or "hf"
     settings: ModelSettings = field(default_factory=ModelSettings)
+    # A model served with --vision: its image processor settings and image
+    # token ids, read once when the catalog is built (with_vision_spec).
+    vision: VisionSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,22 @@ def load_text(entry: CatalogEntry) -> ModelText:
     if settings.chat_template is None and settings.chat_template_kwargs == "{}":
         return text
     return text.with_overrides(settings.chat_template, json.loads(settings.chat_template_kwargs))
+
+
+def with_vision_spec(entry: CatalogEntry) -> CatalogEntry:
+    """The entry with its VisionSpec when it is served with --vision. A
+    model that cannot take images then stops the server (or the reload) with
+    the reason, rather than failing its first image. ValueError."""
+    if not entry.settings.engine.vision:
+        return entry
+    if entry.format == "gguf":
+        # The engine cannot load a projector GGUF's tower yet (issue 21).
+        raise ValueError(f"model {entry.id!r} is served with --vision, but GGUF vision (mmproj) "
+                         "is not supported yet; serve its Hugging Face directory instead")
+    try:
+        return replace(entry, vision=read_vision_spec(entry.path))
+    except VisionSpecError as exc:
+        raise ValueError(f"model {entry.id!r} is served with --vision, but {exc}") from None
 
 
 def entry_for_path(path: Path, name: str | None = None) -> CatalogEntry:
@@ -121,7 +141,13 @@ def build_catalog(config: ServeConfig) -> Catalog:
             dict(config.cli_model_options),
         ]
         settings = _resolve(entry.id, layers, preset, section)
-        entries[entry.id] = CatalogEntry(entry.id, entry.path, entry.format, settings)
+        fresh = CatalogEntry(entry.id, entry.path, entry.format, settings)
+        try:
+            entries[entry.id] = with_vision_spec(fresh)
+        except ValueError as exc:
+            if preset is not None and section is not None:
+                raise PresetError(preset.path, section.line, str(exc)) from None
+            raise
     if not entries:
         log.warning("the catalog is empty: no models in --models-dir or the preset")
     sections = {entry.id: section for entry, section in planned}
@@ -133,7 +159,8 @@ def _single_model_catalog(config: ServeConfig) -> Catalog:
     found = entry_for_path(config.model)
     # A single-model server loads its one model when it starts.
     layers = [dict(config.cli_model_options), {"alias": config.aliases, "load-on-startup": True}]
-    entry = CatalogEntry(found.id, found.path, found.format, _resolve(found.id, layers, None, None))
+    entry = with_vision_spec(CatalogEntry(found.id, found.path, found.format,
+                                          _resolve(found.id, layers, None, None)))
     return Catalog({entry.id: entry}, _alias_table({entry.id: entry}, None, {}))
 
 

@@ -18,10 +18,13 @@ from router import env
 from router.config import ServeConfig
 from router.http.cors import origins
 from router.http.host_check import allowed_host
+from router.media.limits import MediaLimits
 from router.observability.logging_setup import configure_logging
 from router.options import OptionValueError, add_arguments, given_options, names
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The media flags' defaults are MediaLimits' own.
+_MEDIA = MediaLimits()
 
 
 class CommandLineError(ValueError):
@@ -163,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rotated request logs kept (default: 5)")
     logs.add_argument("--log-stats-interval-ms", type=int, default=10_000, metavar="MS",
                       help="period of the throughput line on stderr (default: 10000; 0: off)")
+    media = serve.add_argument_group("images in requests (models served with --vision)")
+    media.add_argument("--media-max-bytes", type=int, default=_MEDIA.max_image_bytes,
+                       metavar="BYTES", help="largest encoded image, from a data: URI or a URL "
+                                             f"(default: {_MEDIA.max_image_bytes})")
+    media.add_argument("--media-fetch-timeout", type=float, default=_MEDIA.fetch_timeout_s,
+                       metavar="S", help="seconds one image URL may take to fetch, redirects "
+                                         f"included (default: {_MEDIA.fetch_timeout_s:g})")
+    media.add_argument("--media-max-images", type=int, default=_MEDIA.max_images, metavar="N",
+                       help=f"images one request may carry (default: {_MEDIA.max_images})")
+    media.add_argument("--media-max-image-tokens", type=int, default=_MEDIA.max_image_tokens,
+                       metavar="N", help="vision tokens the images of one request may take "
+                                         f"together (default: {_MEDIA.max_image_tokens})")
+    media.add_argument("--media-allow-private-urls", action="store_true",
+                       help="fetch image URLs that resolve to private, loopback or link-local "
+                            "addresses (default: refused, so that a request cannot reach into "
+                            "the server's network; docs/vision.md)")
     add_arguments(serve)
     sub.add_parser("fetch-default", help="download the default model into the cache and print its path")
     return parser
@@ -219,9 +238,24 @@ def config_from_args(args: argparse.Namespace, default_model: Callable[[], Path]
             request_log_keep=args.request_log_keep,
             log_stats_interval_ms=args.log_stats_interval_ms,
             webui=args.webui,
+            media=_media_limits(args),
+            media_allow_private_urls=args.media_allow_private_urls,
         )
     except ValueError as exc:
         raise CommandLineError(str(exc)) from None
+
+
+def _media_limits(args: argparse.Namespace) -> MediaLimits:
+    # Checked here so that the error names the flag, not MediaLimits' field.
+    for flag, value in (("--media-max-bytes", args.media_max_bytes),
+                        ("--media-fetch-timeout", args.media_fetch_timeout),
+                        ("--media-max-images", args.media_max_images),
+                        ("--media-max-image-tokens", args.media_max_image_tokens)):
+        if not value > 0:
+            raise CommandLineError(f"{flag} must be more than 0, got {value:g}")
+    return MediaLimits(max_image_bytes=args.media_max_bytes,
+                       fetch_timeout_s=args.media_fetch_timeout, max_images=args.media_max_images,
+                       max_image_tokens=args.media_max_image_tokens)
 
 
 def parse_serve_command(argv: Sequence[str],

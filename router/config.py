@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from router.media.limits import MediaLimits
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -88,6 +90,14 @@ class ServeConfig:
     log_stats_interval_ms: int = 10_000
     # The web page at / (docs/webui.md); --no-webui turns it off.
     webui: bool = True
+    # ---- images in requests (docs/vision.md) ----
+    # Bytes, fetch time, images and vision tokens a request's images may take
+    # (--media-max-bytes, --media-fetch-timeout, --media-max-images,
+    # --media-max-image-tokens).
+    media: MediaLimits = field(default_factory=MediaLimits)
+    # --media-allow-private-urls: image URLs may name private, loopback and
+    # link-local addresses (off: the SSRF guard of router/media/fetch.py).
+    media_allow_private_urls: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and (self.models_dir or self.models_preset):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import zmq
@@ -24,6 +24,7 @@ from protocol import (
     EngineStats,
     Generate,
     GrammarVocab,
+    ImageInput,
     LoadProgress,
     Ready,
     RequestError,
@@ -185,12 +186,12 @@ class EngineClient:
         return len(self._streams)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               id_slot: int = -1) -> RequestStream:
+               id_slot: int = -1, *, images: Sequence[ImageInput] = ()) -> RequestStream:
         if self.dead.done():
             raise EngineFailure(f"the engine is not running: {self.dead.result()}")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._send(Generate(request_id, prompt_token_ids, params, id_slot))
+        self._send(Generate(request_id, prompt_token_ids, params, id_slot, list(images)))
         return stream
 
     async def slot_action(self, command: SlotCommand) -> SlotReply:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import RequestOutput, SamplingParams, TokenLogprobs
+from protocol import ImageInput, RequestOutput, SamplingParams, TokenLogprobs
 from router.engine_client import EngineClient, EngineFailure, RequestStream
 from router.observability.records import RequestRecord, current_record
 from router.output_budget import check_prompt
@@ -48,6 +48,8 @@ class GenerationInput:
     skip_special_tokens: bool = True
     # llama.cpp's id_slot: the engine lane the request runs in (-1: any).
     id_slot: int = -1
+    # The prompt's images at their offsets (router/media/placement.py).
+    images: Sequence[ImageInput] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +128,12 @@ class Generation:
         if record is not None:
             record.engine_request_id = self.request_id
             record.prompt_tokens = self.prompt_tokens
-        self._stream = stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params,
-                                                   spec.id_slot)
+        if spec.images:
+            stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params, spec.id_slot,
+                                        images=spec.images)
+        else:
+            stream = self.client.submit(self.request_id, spec.prompt_ids, spec.params, spec.id_slot)
+        self._stream = stream
         self._detokenizer = IncrementalDetokenizer(
             self.text.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens
         )

@@ -40,7 +40,7 @@ _SERVER = """
 lookup-cache-static lcs lookup-cache-dynamic lcd kv-unified-per-slot ctx-checkpoints
 swa-checkpoints ctxcp checkpoint-min-step cms kv-unified kvu no-kv-unified
 no-kvu cache-idle-slots no-cache-idle-slots context-shift no-context-shift reverse-prompt r
-special sp warmup no-warmup spm-infill cont-batching cb no-cont-batching nocb mmproj mm
+special sp warmup no-warmup spm-infill cont-batching cb no-cont-batching nocb
 mmproj-url mmu mmproj-auto no-mmproj no-mmproj-auto mmproj-offload no-mmproj-offload
 mmproj-device mmdev image-min-tokens image-max-tokens mtmd-batch-max-tokens video-fps
 video-timestamp-interval video-ffmpeg-dir a tags embd-normalize reuse-port path cors-origins

@@ -325,6 +325,15 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "bf16 at load, or packed (kept in their Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks, "
                 "about the file's bytes on the device; slower than bf16 for now: see "
                 "docs/performance.md)", "{dequantized,packed}", default_text="dequantized"),
+    ModelOption("vision", boolean, "engine.vision",
+                "accept images (Chat Completions image_url, Responses input_image, Anthropic "
+                "image blocks, /completion multimodal_data) for a vision-language model; "
+                "without it they get 400 vision_disabled (docs/vision.md)", flag=True),
+    ModelOption("mmproj", model_path, "engine.mmproj",
+                "with --vision: the vision projector GGUF of a GGUF model (llama.cpp's "
+                "--mmproj)", "PATH", is_path=True, default_text="none"),
+    ModelOption("mm", model_path, "engine.mmproj", "llama.cpp's short name for --mmproj",
+                "PATH", is_path=True, default_text="none"),
     ModelOption("kv-headroom-mib", integer(0), "engine.kv_headroom_mib",
                 "device memory (MiB) that automatic KV sizing leaves free", "MIB"),
     ModelOption("cuda-graph", boolean, "engine.cuda_graph",
@@ -475,6 +484,8 @@ ROUTER_OPTIONS = frozenset({
     "request-log-keep", "log-stats-interval-ms", "max-choices",
     "cors-origins", "allowed-host", "http-header-timeout-ms", "http-body-timeout-ms",
     "http-keepalive-timeout-ms", "max-connections", "webui", "no-webui",
+    "media-max-bytes", "media-fetch-timeout", "media-max-images", "media-max-image-tokens",
+    "media-allow-private-urls",
 })
 
 

@@ -164,7 +164,7 @@ class ChunkGraphs:
     def handles(self, inputs: StepInputs) -> bool:
         return (not inputs.is_decode
                 and inputs.num_tokens <= self.sizes[-1] and inputs.num_seqs <= self.lanes
-                and len(inputs.sample_rows) <= self.lanes)
+                and len(inputs.sample_rows) <= self.lanes and not inputs.media_chunks)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

@@ -181,7 +181,9 @@ class DecodeGraphs:
         return bool(self._graphs)
 
     def handles(self, inputs: StepInputs) -> bool:
-        return self.captured and inputs.is_decode and inputs.num_seqs <= self.max_batch
+        # A prompt row with images needs multimodal RoPE's table: eager.
+        return (self.captured and inputs.is_decode and inputs.num_seqs <= self.max_batch
+                and not inputs.media_chunks)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

@@ -39,13 +39,16 @@ from engine.execution.future_tokens import FutureTokens
 from engine.execution.graph_memory import GraphMemory, collector_paused
 from engine.execution.host_kv import HostKVPool
 from engine.execution.model_ops import REFERENCE_OPS, CudaOps, ReferenceOps, make_ops
+from engine.execution.multimodal_step import multimodal_step_inputs
 from engine.execution.page_copy import copy_page_prefixes
 from engine.execution.quantized_weight import QuantizedWeight
 from engine.execution.recurrent_state import RecurrentStatePools, state_kernels_cover
 from engine.execution.step_inputs import DeviceInputs, StepInputs, build_step_inputs
+from engine.execution.vision_encoder import VisionEncoder
 from engine.kv.host_tier import KVTransfers
 from engine.loader import LoadedModel, load_model
 from engine.models import CausalLM
+from engine.models.multimodal_inputs import MultimodalStepInputs
 from engine.sampling.draft_logprobs import DraftLogprobs, draft_contexts
 from engine.sampling.logprobs import HostLogprobs, PromptScores, RowLogprobs
 from engine.sampling.mtp_drafter import MTPDrafter
@@ -63,6 +66,8 @@ class _Sleeping:
     kv: KVPageStash
     # None: the weights stayed where they were (the CPU device is host memory).
     weights: WeightStash | DroppedWeights | None
+    # The vision tower's weights in host memory (a GPU engine with --vision).
+    vision: WeightStash | None = None
 
 
 class ModelRunner:
@@ -159,6 +164,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self._decode_replayed = False  # the last step's rows came from a decode graph
         self.mtp: MTPDrafter | None = None
+        # The vision tower of a model served with --vision (bootstrap sets it).
+        self.vision: VisionEncoder | None = None
         self.graph_seconds = self._capture_graphs()
 
     def _make_ops(self) -> ReferenceOps:
@@ -284,9 +291,12 @@ class ModelRunner:
             stash = None
         else:
             stash = WeightStash(self.model, pin=pin)
-        self._sleeping = _Sleeping(kv, stash)
+        # The tower is small: kept in host memory whatever `weights` says.
+        vision = (WeightStash(self.vision.tower, pin=pin)
+                  if self.vision is not None and self.device.type != "cpu" else None)
+        self._sleeping = _Sleeping(kv, stash, vision)
         release_device_memory(self.device)
-        return (kv.nbytes + state_bytes
+        return (kv.nbytes + state_bytes + (vision.nbytes if vision is not None else 0)
                 + (stash.nbytes if isinstance(stash, WeightStash) else 0))
 
     def wake(self) -> None:
@@ -300,6 +310,8 @@ class ModelRunner:
             sleeping.weights.put_back(self.model, self._reload_model())
         elif isinstance(sleeping.weights, WeightStash):
             sleeping.weights.put_back(self.model, self.device)
+        if sleeping.vision is not None and self.vision is not None:
+            sleeping.vision.put_back(self.vision.tower, self.device)
         self.kv_caches = self._allocate_kv()
         sleeping.kv.put_back(self.kv_caches)
         if self.state_pools is not None:
@@ -547,12 +559,22 @@ class ModelRunner:
             # compute the same numbers.
             bound = context_bucket(context_buckets(self.max_context), int(inputs.seq_lens.max()))
         input_ids, positions, meta = self._inputs.metadata(inputs, bound)
+        # (Only the vision-language decoders take multimodal inputs.)
+        extra = ({"multimodal": self._multimodal_inputs(inputs, positions)}
+                 if inputs.media_chunks else {})
         hidden = self.model.forward(self.future.resolve(input_ids), positions, meta,
-                                    self.kv_caches)
+                                    self.kv_caches, **extra)
         if self.keep_hidden:
             self.last_hidden = hidden
             self._decode_replayed = False
         return hidden
+
+    def _multimodal_inputs(self, inputs: StepInputs, positions: torch.Tensor
+                           ) -> MultimodalStepInputs:
+        """A step's image embeddings and multimodal RoPE table (its chunks
+        that reach into prompts with images: StepInputs.media_chunks)."""
+        assert self.vision is not None, "a prompt with images reached a model without vision"
+        return multimodal_step_inputs(self.vision, self.model, inputs, positions)
 
     def _kept_from_graph(self, inputs: StepInputs, decode: bool = False) -> None:
         """A graph (decode: a decode graph) ran the step: its rows' hidden

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.execution.attention_metadata import AttentionMetadata
-from engine.scheduling.scheduler import SchedulerOutput
+from engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from engine.scheduling.sequence import Sequence
 
 
@@ -44,6 +44,10 @@ class StepInputs:
     # A verify step laid out as decode rows: each sequence's bounds for the
     # linear-attention layers (AttentionMetadata.state_query_start_loc).
     state_query_start_loc: np.ndarray | None = None  # int32 [B + 1]
+    # Chunks of prompts with images that reach into the prompt: their rows
+    # need multimodal RoPE's three positions and, at image tokens, the vision
+    # tower's embeddings (ModelRunner builds them; such a step runs eagerly).
+    media_chunks: list[MediaChunk] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -61,6 +65,14 @@ class StepInputs:
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token: a decode step (CUDA graphs)."""
         return self.num_tokens == self.num_seqs
+
+
+@dataclass(frozen=True)
+class MediaChunk:
+    first_row: int  # its first row in the step's flat batch
+    start: int  # its first token's index in the sequence
+    num_tokens: int
+    seq: Sequence
 
 
 def block_tables_of(seqs: list[Sequence]) -> np.ndarray:
@@ -141,6 +153,9 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
         state_query_start = query_start if state_slots is not None else None
         query_start, seq_lens, block_tables = _as_decode_rows(positions, block_tables,
                                                               row_of_token)
+    media_chunks: list[MediaChunk] = []
+    if any(chunk.seq.media is not None for chunk in chunks):
+        positions, media_chunks = _multimodal_positions(chunks, positions, counts)
     return StepInputs(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,
@@ -156,7 +171,28 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
         state_slots=state_slots,
         state_fresh=state_fresh,
         state_query_start_loc=state_query_start,
+        media_chunks=media_chunks,
     )
+
+
+def _multimodal_positions(chunks: list[ScheduledChunk], positions: np.ndarray,
+                          counts: np.ndarray) -> tuple[np.ndarray, list[MediaChunk]]:
+    """The positions the model's RoPE takes (the KV slots and lengths are
+    computed already): a token after a prompt with images sits at its index
+    plus the prompt's delta (engine/models/mrope.py); the chunks that reach
+    into such a prompt get their three positions from the model runner."""
+    positions = positions.copy()
+    media_chunks: list[MediaChunk] = []
+    first = 0
+    for chunk, count in zip(chunks, counts.tolist(), strict=True):
+        seq = chunk.seq
+        if seq.media is not None:
+            rows = positions[first:first + count]
+            rows[rows >= seq.num_prompt_tokens] += seq.media.delta
+            if chunk.start < seq.num_prompt_tokens:
+                media_chunks.append(MediaChunk(first, chunk.start, count, seq))
+        first += count
+    return positions, media_chunks
 
 
 def _as_decode_rows(positions: np.ndarray, block_tables: np.ndarray, row_of_token: np.ndarray

@@ -118,8 +118,9 @@ class KVManager:
             return found, False
         parent = ROOT_HASH
         ps = self.page_size
+        ids = seq.cache_ids
         for index in range((seq.num_tokens - 1) // ps):
-            tokens = seq.token_ids[index * ps : (index + 1) * ps]
+            tokens = ids[index * ps : (index + 1) * ps]
             page_hash = hash_page(parent, tokens, self.fingerprint)
             page = self.pool.lookup(page_hash, tokens)
             slot = None
@@ -277,7 +278,7 @@ class KVManager:
         if end <= start:
             return None
         parent = prefix[-1].page_hash if prefix else ROOT_HASH
-        return self.partial.best(parent, seq.token_ids[start:end])
+        return self.partial.best(parent, seq.cache_ids[start:end])
 
     def _hits_by_tier(self, prefix: list[PrefixPage], partial: int) -> CacheHits:
         ps = self.page_size
@@ -411,10 +412,12 @@ class KVManager:
         """Register pages that the last step filled, for later prefix hits."""
         ps = self.page_size
         full_pages = seq.num_computed_tokens // ps
+        # (A prompt with images builds its key ids: only when a page is full.)
+        ids = seq.cache_ids if len(seq.block_hashes) < full_pages else seq.token_ids
         while len(seq.block_hashes) < full_pages:
             index = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if index else ROOT_HASH
-            tokens = seq.token_ids[index * ps : (index + 1) * ps]
+            tokens = ids[index * ps : (index + 1) * ps]
             page_hash = hash_page(parent, tokens, self.fingerprint)
             if seq.params.cache_prompt:
                 self.register(seq.block_table[index], parent, page_hash, tokens)
@@ -453,7 +456,7 @@ class KVManager:
         if not rest or full >= len(seq.block_table) or len(seq.block_hashes) < full:
             return
         parent = seq.block_hashes[full - 1] if full else ROOT_HASH
-        tokens = seq.token_ids[full * self.page_size : known]
+        tokens = seq.cache_ids[full * self.page_size : known]
         page = seq.block_table[full]
         if self.pool.register(page, parent, partial_hash(parent, tokens, self.fingerprint),
                               tokens):

@@ -5,7 +5,10 @@ Qwen3_5ForConditionalGeneration) are read as that text model: the config from
 text_config, the weights from model.language_model.* renamed to model.*; the
 vision tower (model.visual.*) is skipped, as are MTP heads (mtp.*, also in
 Qwen3-Next checkpoints) unless --spec mtp drafts with them, with one log line
-saying so.
+saying so. The vision-language models (Qwen2.5-VL, Qwen3-VL) keep their own
+architecture name, their text fields read from text_config or, in Qwen2.5-VL's
+original config.json, the top level; their towers (visual.* or model.visual.*,
+is_vision_tensor) are skipped here and loaded by the vision side.
 
 FP8 checkpoints (quantization_config quant_method "fp8", e4m3, dynamic
 activations: Qwen3's FP8 releases) pair each FP8 `<name>.weight` with its
@@ -41,9 +44,22 @@ _TEXT_BACKBONES = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+# Vision-language architectures served under their own name (engine/models/qwen_vl.py).
+_VISION_LANGUAGE = frozenset({"Qwen2_5_VLForConditionalGeneration",
+                              "Qwen3VLForConditionalGeneration"})
 _LANGUAGE_MODEL_PREFIX = "model.language_model."
-# Prefix -> what it holds, for tensors no served model uses.
-_SKIPPED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "MTP head"}
+# Where checkpoints keep a vision tower: transformers 5 and Qwen3-VL releases
+# under model.visual., Qwen2.5-VL releases under visual.
+VISION_TENSOR_PREFIXES = ("model.visual.", "visual.")
+# Prefix -> what it holds, for tensors the text model does not use.
+_SKIPPED_PREFIXES = {**dict.fromkeys(VISION_TENSOR_PREFIXES, "vision tower"),
+                     "mtp.": "MTP head"}
+
+
+def is_vision_tensor(stored_name: str) -> bool:
+    """Whether a checkpoint tensor (its stored name) belongs to a vision
+    tower, which the text load skips and the vision load reads."""
+    return stored_name.startswith(VISION_TENSOR_PREFIXES)
 
 
 class HFCheckpoint:
@@ -192,12 +208,26 @@ def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     under the text class's name (tie_word_embeddings is the top level's: it
     ties the top-level lm_head); any other config unchanged."""
     architectures = cfg.get("architectures") or []
+    if architectures and architectures[0] in _VISION_LANGUAGE:
+        return _vision_language_text_config(cfg)
     backbone = _TEXT_BACKBONES.get(architectures[0]) if architectures else None
     if backbone is None:
         return cfg
     if "text_config" not in cfg:
         raise ValueError(f"config.json of a {architectures[0]} has no text_config")
     text = {**cfg["text_config"], "architectures": [backbone]}
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+def _vision_language_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A VL config's text fields under its own architecture name: text_config
+    over the top level (Qwen2.5-VL's original config.json has them only
+    there), with the top level's tie_word_embeddings (it ties the top-level
+    lm_head)."""
+    top = {key: value for key, value in cfg.items() if key not in ("text_config", "vision_config")}
+    text = {**top, **(cfg.get("text_config") or {}), "architectures": cfg["architectures"]}
     if "tie_word_embeddings" in cfg:
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return text

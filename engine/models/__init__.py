@@ -17,12 +17,17 @@ from engine.models.qwen3_next import (
     Qwen3_5MoeForCausalLM,
     Qwen3NextForCausalLM,
 )
+from engine.models.qwen_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.__name__: cls
     for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
                 Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM,
-                Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)
+                Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen2_5_VLForConditionalGeneration,
+                Qwen3VLForConditionalGeneration)
 }
 # (general.architecture, whether the file has experts) -> HF architecture name.
 _GGUF_ARCHITECTURES: dict[tuple[str, bool], str] = {

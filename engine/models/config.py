@@ -126,6 +126,12 @@ class ModelConfig:
     # (Qwen3-Next's and Qwen3.5's mtp.*): --spec mtp drafts with them
     # (engine/models/mtp_head.py); num_layers does not count them.
     mtp_layers: int = 0
+    # Vision-language models (Qwen2.5-VL, Qwen3-VL): multimodal RoPE splits the
+    # rotary_dim/2 frequencies among the temporal, height and width position
+    # axes, in contiguous sections or interleaved t,h,w (engine/models/mrope.py);
+    # () for text models, whose one position drives every frequency.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -151,6 +157,10 @@ class ModelConfig:
             not 0 <= layer < self.num_layers for layer in self.moe.sparse_layers
         ):
             raise ValueError(f"sparse layers {self.moe.sparse_layers} outside {self.num_layers} layers")
+        if self.mrope_section and sum(self.mrope_section) != self.rotary_dim // 2:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} sums to "
+                             f"{sum(self.mrope_section)}; the rotary frequencies number "
+                             f"{self.rotary_dim // 2}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -261,6 +271,7 @@ class ModelConfig:
             o_proj_bias=traits.o_proj_bias,
             moe=moe,
             **hybrid,
+            **cls_of_model.hf_multimodal(cfg),
         )
 
     @classmethod
@@ -376,13 +387,29 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
         params = {**params, **cfg["rope_scaling"]}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    # Qwen2.5-VL's original config.json says {"type": "mrope", "mrope_section":
+    # ...}: plain frequencies, split among position axes (hf_multimodal reads them).
+    if rope_type in ("default", "mrope"):
         return theta, None
-    scaling = {
-        k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")
-    }
+    scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING_KEYS}
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+# rope_parameters keys that are no frequency scaling: theta, partial rotary,
+# and the multimodal RoPE layout.
+_NOT_SCALING_KEYS = ("rope_theta", "type", "partial_rotary_factor", "mrope_section",
+                     "mrope_interleaved")
+
+
+def hf_mrope_section(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    """The multimodal RoPE sections of rope_parameters (transformers 5) or
+    rope_scaling (older config.json files); None where neither names them."""
+    for key in ("rope_parameters", "rope_scaling"):
+        section = (cfg.get(key) or {}).get("mrope_section")
+        if section:
+            return tuple(int(n) for n in section)
+    return None
 
 
 def hf_partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:

@@ -26,6 +26,7 @@ from engine.execution.model_ops import REFERENCE_OPS, ReferenceOps
 from engine.execution.quantized_weight import QuantizedWeight
 from engine.models.config import ModelConfig, MoEConfig
 from engine.models.moe import QWEN_EXPERT_NAMES, ExpertTensorNames, SparseMoE
+from engine.models.multimodal_inputs import MultimodalStepInputs
 from engine.models.weight_alloc import empty_weight
 from kernels.reference import build_rope_cache
 
@@ -169,6 +170,17 @@ class DecoderLayer(nn.Module):
         }
 
 
+def _add_deepstack(hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor,
+                   features: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """A layer's output stream (hidden + residual, the sum the next norm would
+    form) with features added at rows, as transformers' Qwen3-VL adds them
+    after the layer's residual add; residual None: the next layer starts from
+    a plain norm of it, so the sums round as transformers' do."""
+    summed = hidden if residual is None else residual + hidden
+    summed[rows] += features.to(summed.dtype)
+    return summed, None
+
+
 def experts_on_host(layer: int, host_expert_layers: int) -> bool:
     """Whether a layer's routed experts stay in host memory when the first
     host_expert_layers layers' do (-1: every layer's)."""
@@ -208,6 +220,12 @@ class CausalLM(nn.Module):
     def hf_hybrid(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         """The ModelConfig fields of a hybrid model's config.json (layer types,
         linear-attention dims, partial rotary, attention output gate); none here."""
+        return {}
+
+    @classmethod
+    def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields of a vision-language model's text config
+        (mrope_section, mrope_interleaved); none for a text model."""
         return {}
 
     @classmethod
@@ -266,17 +284,32 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        multimodal: MultimodalStepInputs | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T]; kv_caches[layer] = (k_cache, v_cache),
         each [P, S, Hkv, D] in the model dtype. Writes the new tokens' K/V at
-        meta.slot_mapping and returns the final-normed hidden states [T, H]."""
+        meta.slot_mapping and returns the final-normed hidden states [T, H].
+        multimodal: a prefill step's image embeddings, rope table and
+        deepstack features (vision-language models); None for text steps."""
         ops = self.ops
         hidden = F.embedding(input_ids, self.embed_tokens)
+        rope_cache = self.rope_cache
+        deepstack: tuple[torch.Tensor, ...] = ()
+        if multimodal is not None:
+            hidden.index_copy_(0, multimodal.rows, multimodal.embeddings.to(hidden.dtype))
+            if multimodal.rope_table is not None:
+                rope_cache = multimodal.rope_table
+                positions = torch.arange(hidden.shape[0], device=hidden.device)
+            deepstack = multimodal.deepstack
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, meta, kv_cache, self.rope_cache,
-                                     ops)
-        assert residual is not None, "a model has at least one layer"
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(hidden, residual, positions, meta, kv_cache, rope_cache, ops)
+            if index < len(deepstack):
+                assert multimodal is not None
+                hidden, residual = _add_deepstack(hidden, residual, multimodal.rows,
+                                                  deepstack[index])
+        if residual is None:  # deepstack after the last layer left the sum in hidden
+            return ops.rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
         return hidden
 

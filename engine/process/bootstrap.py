@@ -19,6 +19,7 @@ from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes
 from engine.execution.kv_dtype import check_fp8_supported, kv_torch_dtype
 from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
+from engine.execution.vision_encoder import VisionEncoder, load_vision_encoder
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.disk_tier import DiskTier, artifact_digest, format_digest, tier_directory
@@ -130,8 +131,10 @@ def assemble_engine(
                                 max_batch=decode_rows, max_context=served_context,
                                 model=loaded.model)
     state_pools = attach_recurrent_state(loaded, config, device, dtype)
+    # Before the step's memory is measured: the tower's weights are on the device.
+    vision = _load_vision(config, model_path, loaded, device, dtype)
     # Walks every tensor: counted once, for the KV budget, the ledger and Ready.
-    weights_bytes = loaded_weights_bytes(loaded)
+    weights_bytes = loaded_weights_bytes(loaded) + (vision.weights_bytes if vision else 0)
     host_weights_bytes = _log_host_experts(loaded, device)
     # Loaded before the step is measured, so the free memory read after it
     # already leaves out the draft's weights.
@@ -194,6 +197,7 @@ def assemble_engine(
         expert_cache_bytes=expert_cache_bytes if use_kernels else 0, kv_dtype=kv_dtype,
         keep_hidden=isinstance(drafter, MTPDrafter),
     )
+    runner.vision = vision
     if isinstance(drafter, MTPDrafter):
         runner.mtp = drafter
         drafter.enable_graphs(runner.graphs)
@@ -292,6 +296,23 @@ def assemble_engine(
         memory=memory,
     )
     return core, ready
+
+
+def _load_vision(config: EngineOptions, model_path: Path, loaded: LoadedModel,
+                 device: torch.device, dtype: torch.dtype) -> VisionEncoder | None:
+    """The vision tower, for --vision (engine/execution/vision_encoder.py)."""
+    if not config.vision:
+        return None
+    if config.mmproj:
+        raise ValueError("--mmproj: GGUF vision towers are not supported yet; serve the "
+                         "model's Hugging Face directory with --vision")
+    if not loaded.config.mrope_section:
+        raise ValueError(f"--vision: {loaded.config.architecture} is not a vision-language "
+                         "model this server reads images for (Qwen2.5-VL, Qwen3-VL)")
+    if config.spec == "mtp":
+        raise ValueError("--vision with --spec mtp is not supported: the MTP head would draft "
+                         "from image tokens' embeddings it never sees")
+    return load_vision_encoder(model_path, device, dtype)
 
 
 def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,

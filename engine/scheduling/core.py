@@ -70,6 +70,7 @@ from engine.sampling.logprobs import PromptScores
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import TokenMask
 from engine.sampling.verify import accept_drafts
+from engine.scheduling.media import SequenceMedia
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from engine.scheduling.slot_actions import SlotActions
@@ -323,10 +324,27 @@ class EngineCore:
         if reasoning is not None:
             self.forced.admit(command.request_id, reasoning)
         seq = Sequence(command.request_id, command.prompt_token_ids, command.params)
+        if command.images:
+            media = self._media(command)
+            if isinstance(media, str):
+                self.emit(RequestError(command.request_id, ErrorCode.INVALID_REQUEST, media))
+                return
+            seq.media = media
         self.scheduler.add(seq)
         if command.id_slot >= 0:
             self.scheduler.lanes.pin(command.request_id, command.id_slot)
         self._stats.prompt_tokens_total += seq.num_prompt_tokens
+
+    def _media(self, command: Generate) -> SequenceMedia | str:
+        """The request's images laid over its prompt, or why they cannot be."""
+        encoder = self.runner.vision
+        if encoder is None:
+            return ("this model is not served with vision (--vision): it takes no images")
+        try:
+            return SequenceMedia.build(command.prompt_token_ids, list(command.images),
+                                       encoder.spec.image_token_id, encoder.spec.merge_size)
+        except ValueError as exc:
+            return f"the request's images do not match its prompt: {exc}"
 
     def _validate(self, command: Generate) -> tuple[ErrorCode, str] | None:
         prompt = command.prompt_token_ids

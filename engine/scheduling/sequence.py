@@ -10,6 +10,7 @@ import enum
 
 from engine.kv.state_checkpoints import Place
 from engine.sampling.draft_length import DraftLength
+from engine.scheduling.media import SequenceMedia
 from protocol import CacheHits, FinishReason, SamplingParams
 
 
@@ -27,6 +28,7 @@ class Sequence:
         "draft_length",
         "finish_reason",
         "last_checkpoint",
+        "media",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_scored",
@@ -68,6 +70,8 @@ class Sequence:
         # the prefix length of its latest checkpoint (or resume point).
         self.state_restore: Place | None = None
         self.last_checkpoint = 0
+        # A prompt with images (engine/scheduling/media.py); None: text only.
+        self.media: SequenceMedia | None = None
 
     def __repr__(self) -> str:
         return (
@@ -86,6 +90,18 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The token ids as the prefix cache hashes and compares them: the
+        token ids themselves, but an image's tokens stand for its digest."""
+        if self.media is None:
+            return self.token_ids
+        return self.media.key_ids + self.token_ids[self.num_prompt_tokens:]
+
+    def rope_delta(self) -> int:
+        """How far multimodal RoPE puts a token after the prompt from its index."""
+        return 0 if self.media is None else self.media.delta
 
     @property
     def num_uncomputed_tokens(self) -> int:

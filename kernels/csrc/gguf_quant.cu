@@ -499,40 +499,52 @@ __device__ __forceinline__ void gemv_body(__nv_bfloat16* __restrict__ out,
     unsigned char* mine = smem + warp * G::kWarpBytes;
     float2* scale_table = reinterpret_cast<float2*>(mine + T::kStages * G::kStageBytes);
 
-    // Copy unit `unit` of the CTA's 16 rows into ring slot `stage`. Lane
-    // (row lane / 2, half lane % 2) copies its row's chunks half, half + 2,
-    // ...: one 64-bit base per unit, constant offsets after that.
-    const int copy_row = lane >> 1;
-    const int copy_half = lane & 1;
-    const bool copy_valid = n0 + copy_row < n_rows;
-    const long long copy_row_start = base_off + static_cast<long long>(n0 + copy_row) * row_bytes;
-    unsigned char* const copy_dst = mine + copy_row * G::kSlotStride + 16 * copy_half;
+    // Copy unit `unit` of the CTA's 16 rows into ring slot `stage`. The 16
+    // rows x kChunks 16-byte chunks are numbered row by row and lane l copies
+    // chunks l, l + 32, ...: consecutive lanes read consecutive bytes of a
+    // row, so one copy instruction touches the lines of two or three rows.
+    // (Two lanes per row, each taking every other chunk, touched sixteen rows
+    // per instruction and held even a copy-only kernel to about half the
+    // device's read bandwidth.) Each chunk's place is worked out once here.
+    constexpr int kChunkCount = kRows * G::kChunks;
+    constexpr int kCopies = (kChunkCount + 31) / 32;
+    const long long cta_start = base_off + static_cast<long long>(n0) * row_bytes;
+    const int cta_mis = static_cast<int>(cta_start & 15);
+    const unsigned char* const cta_base = weight + (cta_start - cta_mis);  // 16-byte aligned
+    // The CTA holding the tensor's last row bounds every chunk by the
+    // tensor's end (the last row's rounded-out range may pass it) and
+    // zero-fills rows past N; the others copy whole chunks.
+    const bool tail = n0 + kRows >= n_rows;
+    int copy_row_base[kCopies];  // cta_mis + row * row_bytes
+    int copy_chunk[kCopies];     // 16 * chunk, or -1: this lane has no chunk there
+    int copy_dst[kCopies];       // offset in a ring slot
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+        const int i = lane + 32 * c;
+        const int r = i / G::kChunks;
+        const int chunk = i - r * G::kChunks;
+        const bool real = i < kChunkCount && (!tail || n0 + r < n_rows);
+        copy_row_base[c] = cta_mis + r * static_cast<int>(row_bytes);
+        copy_chunk[c] = i < kChunkCount ? 16 * chunk : -1;
+        copy_dst[c] = real ? r * G::kSlotStride + 16 * chunk : -1 - (r * G::kSlotStride + 16 * chunk);
+    }
     auto issue = [&](int unit, int stage) {
         if (unit >= units) return;
-        const long long aligned =
-            (copy_row_start + static_cast<long long>(unit) * T::kUnitBytes) & ~15LL;
-        // Bytes left in the tensor from `aligned` (never negative for a real
-        // row), capped to what a slot row holds; 0 for rows past N.
-        const long long left64 = copy_valid ? total_bytes - aligned : 0;
-        const int left = static_cast<int>(left64 < G::kChunks * 16 ? left64 : G::kChunks * 16);
-        const unsigned char* src = weight + aligned + 16 * copy_half;
-        unsigned char* dst = copy_dst + stage * G::kStageBytes;
-        if (left == G::kChunks * 16) {
-            // Every row but the tensor's last (and rows past N): whole chunks.
+        const int unit_off = unit * T::kUnitBytes;
+        unsigned char* const slot = mine + stage * G::kStageBytes;
 #pragma unroll
-            for (int m = 0; m < (G::kChunks + 1) / 2; ++m) {
-                if (2 * m + 1 < G::kChunks || copy_half == 0) {
-                    copy16(dst + 32 * m, src + 32 * m, 16);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int m = 0; m < (G::kChunks + 1) / 2; ++m) {
-                if (2 * m + 1 < G::kChunks || copy_half == 0) {
-                    const int chunk = 2 * m + copy_half;
-                    const int bytes = min(max(left - 16 * chunk, 0), 16);
-                    copy16(dst + 32 * m, bytes > 0 ? src + 32 * m : weight, bytes);
-                }
+        for (int c = 0; c < kCopies; ++c) {
+            if (kChunkCount % 32 != 0 && copy_chunk[c] < 0) continue;
+            const int off = ((copy_row_base[c] + unit_off) & ~15) + copy_chunk[c];
+            if (!tail) {
+                copy16(slot + copy_dst[c], cta_base + off, 16);
+            } else {
+                // Bytes of this chunk inside the tensor; 0 for rows past N.
+                const bool real = copy_dst[c] >= 0;
+                const long long left = total_bytes - (cta_start - cta_mis + off);
+                const int bytes = real ? static_cast<int>(min(max(left, 0LL), 16LL)) : 0;
+                const int dst = real ? copy_dst[c] : -1 - copy_dst[c];
+                copy16(slot + dst, bytes > 0 ? cta_base + off : weight, bytes);
             }
         }
     };

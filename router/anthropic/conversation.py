@@ -11,8 +11,12 @@ content blocks) as the messages a chat template takes.
 - a final assistant message is the prefill: its text is what the answer
   continues, and it is not part of the history.
 
-Image, document and other non-text inputs get a 400 naming the block: the
-engines here read text only.
+Image blocks (base64 and URL sources) in user messages and inside their
+tool_result blocks become the conversation's ImageRefs, in order, and
+{"type": "image"} parts of the message content (router/chat/image_parts.py);
+a message without images keeps string content. Images elsewhere, file
+sources (Anthropic's Files API), documents and other inputs get a 400
+naming the block.
 """
 
 from __future__ import annotations
@@ -22,18 +26,24 @@ from typing import Any, NoReturn
 
 from router.anthropic.fields import refuse
 from router.anthropic.schemas import InputMessage
+from router.chat.image_parts import MessageContent, data_uri
+from router.media.types import ImageRef
 
 # How a failed tool call (tool_result with is_error) reads to the model: the
 # templates have no field for it, so it goes into the text.
 TOOL_ERROR_PREFIX = "Error: "
 
-_NOT_TEXT = ("image", "document", "search_result", "container_upload")
+_NOT_TEXT = ("document", "search_result", "container_upload")
+# The media types Anthropic accepts in a base64 image source.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 @dataclass(frozen=True)
 class Conversation:
     messages: list[dict[str, Any]]
     prefill: str
+    # One per {"type": "image"} part of the messages, in order.
+    images: tuple[ImageRef, ...] = ()
 
 
 def _text_of(block: dict[str, Any], where: str) -> str:
@@ -44,8 +54,12 @@ def _text_of(block: dict[str, Any], where: str) -> str:
 
 
 def _refuse_block(kind: Any, where: str, allowed: str) -> NoReturn:
+    if kind == "image":
+        raise refuse(f"{where}.type", "image blocks go in user messages (and their tool_result "
+                     f"blocks); expected {allowed}")
     if kind in _NOT_TEXT:
-        raise refuse(f"{where}.type", f"{kind} blocks are not supported: this server's models read text only")
+        raise refuse(f"{where}.type", f"{kind} blocks are not supported: this server's models read "
+                     "text and images")
     raise refuse(f"{where}.type", f"content block type {kind!r} is not supported here; expected {allowed}")
 
 
@@ -67,21 +81,61 @@ def _blocks(message: InputMessage) -> list[dict[str, Any]]:
     return message.content
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _image(block: dict[str, Any], where: str) -> ImageRef:
+    """An image block's source: base64 data (as a data: URI) or a URL."""
+    source = block.get("source")
+    param = f"{where}.source"
+    if not isinstance(source, dict):
+        code = "missing_required_parameter" if source is None else "invalid_type"
+        raise refuse(param, "an image block needs a 'source' object", code)
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise refuse(f"{param}.media_type", f"must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                         f"got {media_type!r}")
+        data = source.get("data")
+        if not isinstance(data, str) or not data:
+            raise refuse(f"{param}.data", "a base64 image source needs its data as a string",
+                         "invalid_type")
+        return ImageRef(data_uri(media_type, data), param)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url.strip():
+            code = "missing_required_parameter" if url is None else "invalid_type"
+            raise refuse(f"{param}.url", "a url image source needs its URL as a string", code)
+        return ImageRef(url, param)
+    if kind == "file":
+        raise refuse(f"{param}.type", "file sources need Anthropic's Files API, which this server "
+                     "does not have; send the image as base64 data or a URL")
+    raise refuse(f"{param}.type", f"image source type {kind!r} is not supported; expected base64 "
+                 "or url")
+
+
+def _tool_result_content(block: dict[str, Any], where: str,
+                         images: list[ImageRef]) -> str | list[dict[str, Any]]:
     content = block.get("content", "")
+    parts = MessageContent(images)
     if isinstance(content, str):
-        text = content
+        parts.text(content)
     elif isinstance(content, list):
-        parts = []
         for index, part in enumerate(content):
             inner = f"{where}.content[{index}]"
-            if not isinstance(part, dict) or part.get("type") != "text":
-                _refuse_block(part.get("type") if isinstance(part, dict) else None, inner, "text blocks")
-            parts.append(_text_of(part, inner))
-        text = "\n".join(parts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.text(_text_of(part, inner))
+            elif kind == "image":
+                parts.image(_image(part, inner))
+            else:
+                _refuse_block(kind, inner, "text or image blocks")
     else:
-        raise refuse(f"{where}.content", "tool_result content must be a string or a list of text blocks",
-                     "invalid_type")
+        raise refuse(f"{where}.content", "tool_result content must be a string or a list of text "
+                     "and image blocks", "invalid_type")
+    if parts.has_image:
+        listed = parts.content()
+        # Templates join parts with nothing between: "Error: " reads as in text.
+        return [{"type": "text", "text": TOOL_ERROR_PREFIX}, *listed] if block.get("is_error") else listed
+    text = "\n".join(parts.texts())
     if block.get("is_error"):
         return TOOL_ERROR_PREFIX + text if text else "Error"
     return text
@@ -94,32 +148,36 @@ class _Builder:
     def __init__(self) -> None:
         self.out: list[dict[str, Any]] = []
         self.tool_names: dict[str, str] = {}
+        self.images: list[ImageRef] = []
 
     def user(self, message: InputMessage, index: int) -> None:
-        texts: list[str] = []
+        parts = MessageContent(self.images)
 
         def flush() -> None:
-            if texts:
-                self.out.append({"role": "user", "content": "\n".join(texts)})
-                texts.clear()
+            nonlocal parts
+            if parts:
+                self.out.append({"role": "user", "content": parts.content()})
+                parts = MessageContent(self.images)
 
         for block_index, block in enumerate(_blocks(message)):
             where = f"messages[{index}].content[{block_index}]"
             kind = block.get("type")
             if kind == "text":
-                texts.append(_text_of(block, where))
+                parts.text(_text_of(block, where))
+            elif kind == "image":
+                parts.image(_image(block, where))
             elif kind == "tool_result":
                 flush()
                 tool_use_id = block.get("tool_use_id")
                 if not isinstance(tool_use_id, str) or not tool_use_id:
                     raise refuse(f"{where}.tool_use_id", "a tool_result block needs its tool_use_id")
                 entry = {"role": "tool", "tool_call_id": tool_use_id,
-                         "content": _tool_result_text(block, where)}
+                         "content": _tool_result_content(block, where, self.images)}
                 if tool_use_id in self.tool_names:
                     entry["name"] = self.tool_names[tool_use_id]
                 self.out.append(entry)
             else:
-                _refuse_block(kind, where, "text or tool_result in a user message")
+                _refuse_block(kind, where, "text, image or tool_result in a user message")
         flush()
 
     def assistant(self, message: InputMessage, index: int) -> dict[str, Any]:
@@ -215,4 +273,4 @@ def conversation(system: str | list[dict[str, Any]] | None,
         else:
             raise refuse(f"messages[{index}].role", f"unexpected role {message.role!r}; roles are "
                          "'user' and 'assistant' (the system prompt goes in the top-level 'system')")
-    return Conversation(builder.out, prefill)
+    return Conversation(builder.out, prefill, tuple(builder.images))

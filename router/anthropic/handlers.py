@@ -19,7 +19,7 @@ from router.chat.turn import prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.generation import PromptProgress
 from router.http.errors import decode_body, engine_error
-from router.http.keys import MANAGER
+from router.http.keys import IMAGES, MANAGER
 from router.http.request_id import request_id_of
 from router.http.sse import StreamOpenedError
 from router.openai.common import autoload
@@ -30,7 +30,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     chat, thinking = messages_request(req)
     manager = request.app[MANAGER]
     slot = manager.resolve(req.model)
-    prepared = await prepare_turn(manager, slot, chat)
+    prepared = await prepare_turn(manager, slot, chat, request.app[IMAGES])
     message_id = new_message_id()
     request_id = request_id_of(request)
     blocks = ContentBlocks(show_thinking=thinking.show, one_tool_use=not chat.parallel_tool_calls)
@@ -66,6 +66,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = decode_body(await request.read(), CountTokensRequest)
     manager = request.app[MANAGER]
     slot = manager.resolve(req.model)
-    prepared = await prepare_turn(manager, slot, chat_request(req))
+    prepared = await prepare_turn(manager, slot, chat_request(req), request.app[IMAGES])
     return web.json_response({"input_tokens": len(prepared.prompt_ids)},
                              headers={"request-id": request_id_of(request)})

@@ -126,6 +126,7 @@ def chat_request(req: ConversationFields, *, sampling: SamplingRequest | None = 
     thinking = thinking or thinking_choice(req.thinking, None)
     return ChatRequest(
         messages=talk.messages,
+        images=talk.images,
         sampling=sampling or SamplingRequest(),
         tools=tools,
         tool_choice=choice,

@@ -7,6 +7,7 @@ from typing import Any
 
 from protocol import GrammarSpec
 from router.chat.thinking_budget import ThinkingBudget
+from router.media.types import ImageRef
 from router.sampling import SamplingRequest
 
 
@@ -22,9 +23,14 @@ ToolChoice = str | NamedTool  # "auto", "none", "required" or a NamedTool
 
 @dataclass(frozen=True)
 class ChatRequest:
-    # Messages ready for the chat template: role, content (a string), and
-    # tool_calls / tool_call_id / reasoning_content where they apply.
+    # Messages ready for the chat template: role, content (a string, or a
+    # list of {"type": "text", "text"} and {"type": "image"} parts in a
+    # message that holds images), and tool_calls / tool_call_id /
+    # reasoning_content where they apply.
     messages: list[dict[str, Any]]
+    # The images of the messages, one per {"type": "image"} part, in the
+    # order the template renders them (router/chat/image_parts.py).
+    images: tuple[ImageRef, ...] = ()
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     # OpenAI function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
     tools: list[dict[str, Any]] = field(default_factory=list)

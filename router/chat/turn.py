@@ -1,6 +1,6 @@
 """One assistant turn: render the prompt, run the generation, split its output.
 
-    prepared = await prepare_turn(manager, slot, request)   # template + tokens, no engine
+    prepared = await prepare_turn(manager, slot, request, images)  # template, tokens, images; no engine
     async with manager.lease(slot, autoload=..., on_admit=prepared.admit) as engine:
         run = start_turn(manager, prepared, engine, request_id)
         async for event in run.events(): ...                # ParsedEvent | PromptProgress
@@ -21,12 +21,13 @@ reasoning is never parsed for tool calls.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
-from protocol import GrammarSpec, ReasoningBudget
+from protocol import GrammarSpec, ImageInput, ReasoningBudget
+from router.capabilities import require_vision
 from router.chat.events import (
     ContentDelta,
     ParsedEvent,
@@ -51,6 +52,8 @@ from router.chat.tool_grammar import (
 from router.errors import invalid
 from router.generation import Generation, GenerationInput, Piece, PromptProgress, check_context
 from router.lifecycle import ModelManager, ModelSlot
+from router.media.image_loader import ImageLoader
+from router.media.placement import expand_image_tokens
 from router.observability.records import current_record
 from router.output_budget import fits, output_budget
 from router.parsers import ReasoningParser, ToolCallParser, detect_reasoning, detect_tool_format
@@ -80,6 +83,9 @@ class PreparedTurn:
     # forced call's opener, which then streams as output), or "".
     budget: ThinkingBudget | None = None
     after_block: str = ""
+    # The request's images at their offsets in prompt_ids, where each stands
+    # as its num_tokens image tokens (router/media/placement.py).
+    images: tuple[ImageInput, ...] = ()
 
     def admit(self, slot: ModelSlot, *, param: str = "messages", limit_field: str = "max_tokens",
               clamp: bool = False) -> None:
@@ -91,8 +97,31 @@ class PreparedTurn:
             check_logit_bias(self.request.sampling.logit_bias, slot.ready.model.n_vocab)
 
 
-async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequest) -> PreparedTurn:
-    """Render and tokenize; needs the model's text side only, not its engine."""
+async def prepare_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequest,
+                       images: ImageLoader | None = None) -> PreparedTurn:
+    """Render and tokenize, and load the request's images into the prompt
+    (each image token the template wrote becomes the image's tokens), so
+    that prompt_ids is what the engine computes and every count is of it.
+    Needs the model's text side only, not its engine; `images` (the app's
+    loader) only for a model served with --vision."""
+    turn = await render_turn(manager, slot, request)
+    entry = slot.entry
+    if not entry.settings.engine.vision:
+        return turn
+    spec = entry.vision
+    assert spec is not None, "build_catalog reads the VisionSpec of every --vision model"
+    assert images is not None, "a model served with --vision needs the app's ImageLoader"
+    # Rendered first: a conversation the template refuses fetches nothing.
+    loaded = await images.load(request.images, spec)
+    ids, inputs = expand_image_tokens(turn.prompt_ids, loaded, request.images, spec,
+                                      param="messages")
+    return replace(turn, prompt_ids=ids, images=inputs)
+
+
+async def render_turn(manager: ModelManager, slot: ModelSlot, request: ChatRequest) -> PreparedTurn:
+    """Render and tokenize, images not loaded: each stands as the one image
+    token the template wrote (what /apply-template shows)."""
+    require_vision(request.images, slot.entry)
     text = await manager.text_for(slot)
     offered = request.tools if request.tools and request.tool_choice != "none" else None
     kwargs = dict(request.template_kwargs)
@@ -219,7 +248,8 @@ def start_turn(manager: ModelManager, prepared: PreparedTurn, engine: EngineProc
     reasoning = _reasoning(prepared, params.max_tokens, grammar is not None)
     if reasoning is not None:
         params = msgspec.structs.replace(params, reasoning=reasoning)
-    spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens)
+    spec = GenerationInput(prompt_ids, params, sampling.stop, sampling.skip_special_tokens,
+                           images=prepared.images)
     return TurnRun(prepared, Generation(engine.client, prepared.text, request_id, spec))
 
 

@@ -19,13 +19,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router.capabilities import model_capabilities
+from router.capabilities import input_modalities, model_capabilities
 from router.env import sse_keepalive_seconds
 from router.errors import NotFound
 from router.http.errors import ApiError, decode_body
 from router.http.keys import MANAGER, STARTED
 from router.lifecycle import ModelManager, ModelSlot
 from router.lifecycle.reload import reload_catalog
+from router.settings import ModelSettings
 from router.supervisor import engine_args
 
 
@@ -34,9 +35,17 @@ class ModelRequest(msgspec.Struct):
     model: str = ""
 
 
-# Text in, text out: what OpenRouter-style clients read before offering images.
-MODALITIES = {"input": ["text"], "output": ["text"]}
-ARCHITECTURE = {"modality": "text->text", "input_modalities": ["text"], "output_modalities": ["text"]}
+def modalities(settings: ModelSettings) -> dict[str, list[str]]:
+    """Text in (and images with --vision), text out."""
+    return {"input": input_modalities(settings), "output": ["text"]}
+
+
+def architecture(settings: ModelSettings) -> dict[str, Any]:
+    """OpenRouter's shape, what its clients read before offering images:
+    modality "text->text", or "text+image->text" with --vision."""
+    inputs = input_modalities(settings)
+    return {"modality": "+".join(inputs) + "->text", "input_modalities": inputs,
+            "output_modalities": ["text"]}
 
 
 def public_id(manager: ModelManager, slot: ModelSlot) -> str:
@@ -103,8 +112,8 @@ def model_card(manager: ModelManager, slot: ModelSlot, created: int) -> dict[str
         "aliases": list(settings.aliases),
         "tags": list(settings.tags),
         "path": str(slot.entry.path),
-        "modalities": MODALITIES,
-        "architecture": ARCHITECTURE,
+        "modalities": modalities(settings),
+        "architecture": architecture(settings),
         "capabilities": model_capabilities(settings),
         "status": _status(slot),
         "memory": device_memory(manager, slot),

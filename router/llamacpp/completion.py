@@ -15,12 +15,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from protocol import GrammarSpec
+from protocol import GrammarSpec, ImageInput
+from router.capabilities import require_vision
 from router.engine_client import EngineFailure
 from router.errors import ContextLengthExceeded
 from router.generation import Generation, GenerationInput, PromptProgress, new_request_id
 from router.http.errors import as_api_error, decode_body, engine_error, invalid, llamacpp_error_body
-from router.http.keys import MANAGER
+from router.http.keys import IMAGES, MANAGER
 from router.http.sse import (
     EventStream,
     StreamingLease,
@@ -32,7 +33,7 @@ from router.lifecycle import ModelManager, ModelSlot
 from router.llamacpp.grammar import grammar_spec, prepare_engine
 from router.llamacpp.params import CompletionSettings, completion_settings, generation_settings
 from router.llamacpp.probabilities import ProbabilityWriter
-from router.llamacpp.prompt import prompt_ids, prompt_parts
+from router.llamacpp.prompt import completion_prompt, prompt_images, prompt_parts
 from router.llamacpp.responses import CompletionReport
 from router.llamacpp.schemas import CompletionRequest
 from router.openai.common import autoload
@@ -64,8 +65,8 @@ def _check_prompt(ids: list[int], slot: ModelSlot) -> int:
 
 def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: ModelText,
            ids: list[int], settings: CompletionSettings,
-           grammar: GrammarSpec | None, extra_eos: tuple[int, ...], id_slot: int = -1
-           ) -> Generation:
+           grammar: GrammarSpec | None, extra_eos: tuple[int, ...], id_slot: int = -1,
+           images: tuple[ImageInput, ...] = ()) -> Generation:
     room = _check_prompt(ids, slot)
     n_predict = settings.n_predict
     # n_predict 0 evaluates the prompt into the cache: the engine computes one
@@ -77,7 +78,7 @@ def _start(manager: ModelManager, slot: ModelSlot, engine: EngineProcess, text: 
                           defaults=manager.sampling_defaults(slot),
                           eos_token_ids=text.eos_token_ids + extra_eos, grammar=grammar,
                           n_vocab=slot.ready.model.n_vocab if slot.ready is not None else None)
-    spec = GenerationInput(ids, params, settings.sampling.stop, id_slot=id_slot)
+    spec = GenerationInput(ids, params, settings.sampling.stop, id_slot=id_slot, images=images)
     return Generation(engine.client, text, new_request_id("cmpl"), spec)
 
 
@@ -89,18 +90,22 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
     manager = request.app[MANAGER]
     slot = manager.resolve(req.model)
+    require_vision(prompt_images(parts), slot.entry)
     text = await manager.text_for(slot)
-    ids = await prompt_ids(parts, text)
-    return await serve_completion(request, req, slot, text, lambda _: ids, settings, grammar)
+    ids, images = await completion_prompt(parts, text, slot.entry.vision, request.app[IMAGES])
+    return await serve_completion(request, req, slot, text, lambda _: ids, settings, grammar,
+                                  images=images)
 
 
 async def serve_completion(request: web.Request, req: CompletionRequest, slot: ModelSlot,
                            text: ModelText, build_prompt: PromptBuilder,
                            settings: CompletionSettings, grammar: GrammarSpec | None,
-                           extra_eos: tuple[int, ...] = ()) -> web.StreamResponse:
+                           extra_eos: tuple[int, ...] = (),
+                           images: tuple[ImageInput, ...] = ()) -> web.StreamResponse:
     """/completion's generation path, shared with /infill: lease the model,
     build the prompt, generate, answer in llama.cpp's shape. `extra_eos`
-    are more token ids that end the generation."""
+    are more token ids that end the generation; `images` the prompt's
+    images at their offsets (router/media/placement.py)."""
     manager = request.app[MANAGER]
     built: list[list[int]] = []
 
@@ -117,7 +122,7 @@ async def serve_completion(request: web.Request, req: CompletionRequest, slot: M
         async with lease as engine:
             ids = built[-1]
             generation = _start(manager, slot, engine, text, ids, settings, grammar, extra_eos,
-                                req.id_slot)
+                                req.id_slot, images)
             report = CompletionReport(
                 generation=generation,
                 model=slot.id,

@@ -21,12 +21,10 @@ from router.http.models_api import public_id
 from router.lifecycle import ModelManager, ModelSlot
 from router.lifecycle.slot import ModelState
 from router.llamacpp.params import DEFAULT_SEED, completion_settings, generation_settings
+from router.llamacpp.prompt import MEDIA_MARKER
 from router.llamacpp.schemas import CompletionRequest
 from router.sampling import build_params
 from router.text.model_text import ModelText
-
-# llama.cpp's placeholder for media in a multimodal prompt (mtmd_default_marker).
-MEDIA_MARKER = "<__media__>"
 
 
 def n_ctx(slot: ModelSlot, text: ModelText) -> int:
@@ -73,7 +71,7 @@ def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict
         "total_slots": ready.kv.max_concurrency if ready else slot.entry.settings.engine.max_concurrency,
         "model_alias": public_id(manager, slot),
         "model_path": str(slot.entry.path),
-        "modalities": {"vision": False, "video": False, "audio": False},
+        "modalities": {"vision": slot.entry.settings.engine.vision, "video": False, "audio": False},
         "media_marker": MEDIA_MARKER,
         "endpoint_slots": slot.entry.settings.slots_endpoint,
         "endpoint_props": False,

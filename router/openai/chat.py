@@ -26,7 +26,7 @@ from router.chat.turn import PreparedTurn, TurnRun, prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.generation import Piece, PromptProgress, new_request_id
 from router.http.errors import decode_body, engine_error, openai_error_body
-from router.http.keys import MANAGER
+from router.http.keys import IMAGES, MANAGER
 from router.http.sse import (
     HeldEvents,
     StreamOpenedError,
@@ -55,7 +55,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     n = req.n or 1
     check_choices(n, manager.config.max_choices)
     slot = manager.resolve(req.model)
-    prepared = await prepare_turn(manager, slot, chat)
+    prepared = await prepare_turn(manager, slot, chat, request.app[IMAGES])
     lease = manager.lease(slot, autoload=autoload(request), on_admit=prepared.admit)
     if req.stream:
         lease = streaming_lease(request, lease)

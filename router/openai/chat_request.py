@@ -1,5 +1,10 @@
 """A Chat Completions request, checked field by field, as a ChatRequest.
 
+User messages may carry image_url parts (an object with url and detail, or
+the URL as a bare string, as vLLM takes it); they become the request's
+ImageRefs (router/chat/image_parts.py). Images anywhere else, and audio or
+file parts, get a 400 naming the part.
+
 What the engine cannot do gets a 400 naming the field (audio output, store,
 a priority, a verbosity, predicted outputs, web search);
 the neutral values of those fields are accepted, and
@@ -16,10 +21,12 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from router.chat.image_parts import MessageContent, detail_of, image_url
 from router.chat.request import ChatRequest, NamedTool, ToolChoice
 from router.chat.thinking_budget import ThinkingBudget, effort_budget, given_budget
 from router.http.errors import invalid
 from router.json_schema_limits import check_enforceable
+from router.media.types import ImageRef
 from router.openai.guided import chat_constraint
 from router.openai.params import (
     chat_logprobs,
@@ -37,7 +44,10 @@ TWO_ASSISTANTS = "Cannot have 2 or more assistant messages at the end of the lis
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def _text_content(message: ChatMessage, index: int) -> str:
+def _content(message: ChatMessage, index: int,
+             images: list[ImageRef]) -> str | list[dict[str, Any]]:
+    """A message's content for the template: its text parts joined, or text
+    and image parts when a user message carries images (image_parts.py)."""
     content = message.content
     if content is None:
         if message.role == "assistant":
@@ -45,18 +55,38 @@ def _text_content(message: ChatMessage, index: int) -> str:
         raise invalid(f"messages[{index}] ({message.role}) has no content", f"messages[{index}].content")
     if isinstance(content, str):
         return content
-    texts = []
+    parts = MessageContent(images)
     for part_index, part in enumerate(content):
         where = f"messages[{index}].content[{part_index}]"
         kind = part.get("type")
-        if kind != "text":
-            raise invalid(f"content part type {kind!r} is not supported here; send text parts",
-                          f"{where}.type")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid("a text content part needs a string 'text'", f"{where}.text", "invalid_type")
-        texts.append(text)
-    return "\n".join(texts)
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid("a text content part needs a string 'text'", f"{where}.text", "invalid_type")
+            parts.text(text)
+        elif kind == "image_url":
+            if message.role != "user":
+                raise invalid(f"{where} is an image in a {message.role} message; images go in "
+                              "user messages only", f"{where}.type")
+            parts.image(_image_ref(part.get("image_url"), f"{where}.image_url"))
+        elif kind in ("input_audio", "file"):
+            raise invalid(f"content part type {kind!r} is not supported: this server reads text "
+                          "and images (image_url)", f"{where}.type")
+        else:
+            raise invalid(f"content part type {kind!r} is not supported here; send text parts "
+                          "(and image_url parts in user messages)", f"{where}.type")
+    return parts.content()
+
+
+def _image_ref(value: Any, param: str) -> ImageRef:
+    """{"url": ..., "detail": ...}, or the URL as a bare string (as vLLM takes it)."""
+    if isinstance(value, str):
+        return ImageRef(image_url(value, param), param)
+    if not isinstance(value, dict):
+        code = "missing_required_parameter" if value is None else "invalid_type"
+        raise invalid(f"'{param}' must be an object with 'url' (or the URL as a string)", param, code)
+    return ImageRef(image_url(value.get("url"), f"{param}.url"), param,
+                    detail_of(value.get("detail"), f"{param}.detail"))
 
 
 def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
@@ -89,12 +119,14 @@ def _legacy_call(message: ChatMessage, index: int) -> list[dict[str, Any]] | Non
     return [{"id": None, "type": "function", "function": call}]
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], tuple[ImageRef, ...]]:
+    """The messages for the template, and the images of their image parts in order."""
     if not messages:
         raise invalid("'messages' must hold at least one message", "messages")
     if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
         raise invalid(TWO_ASSISTANTS, f"messages[{len(messages) - 1}]")
     rendered = []
+    images: list[ImageRef] = []
     for index, message in enumerate(messages):
         if message.role not in ROLES:
             raise invalid(
@@ -104,7 +136,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         # OpenAI's "developer" is the system role of newer models; a legacy
         # "function" message is a tool result.
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-        entry: dict[str, Any] = {"role": role, "content": _text_content(message, index)}
+        entry: dict[str, Any] = {"role": role, "content": _content(message, index, images)}
         calls = _legacy_call(message, index)
         if calls:
             entry["tool_calls"] = _tool_calls(calls, index)
@@ -116,7 +148,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if reasoning:
             entry["reasoning_content"] = reasoning
         rendered.append(entry)
-    return rendered
+    return rendered, tuple(images)
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -248,12 +280,13 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
     if reserved:
         raise invalid(f"'chat_template_kwargs' may not set {reserved[0]!r}: the server sets it "
                       "from the request itself", "chat_template_kwargs")
-    messages = template_messages(req.messages)
+    messages, images = template_messages(req.messages)
     prefill = ""
     if req.continue_final_message:
         prefill, messages = _final_assistant_text(messages), messages[:-1]
     return ChatRequest(
         messages=messages,
+        images=images,
         sampling=sampling,
         tools=tools,
         tool_choice=check_tool_choice(given_choice, tools),

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from router.chat.turn import prepare_turn
 from router.http.errors import decode_body
-from router.http.keys import MANAGER
+from router.http.keys import IMAGES, MANAGER
 from router.openai.chat_request import chat_request
 from router.openai.schemas import ChatCompletionRequest
 
@@ -23,6 +23,6 @@ async def count_chat_tokens(request: web.Request) -> web.Response:
     req = decode_body(await request.read(), ChatCompletionRequest)
     chat = chat_request(req)
     manager = request.app[MANAGER]
-    prepared = await prepare_turn(manager, manager.resolve(req.model), chat)
+    prepared = await prepare_turn(manager, manager.resolve(req.model), chat, request.app[IMAGES])
     return web.json_response({"object": "response.input_tokens",
                               "input_tokens": len(prepared.prompt_ids)})

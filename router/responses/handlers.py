@@ -21,7 +21,7 @@ from router.chat.turn import PreparedTurn, prepare_turn, start_turn
 from router.engine_client import EngineFailure
 from router.errors import RouterError
 from router.http.errors import ApiError, decode_body, engine_error, invalid
-from router.http.keys import MANAGER
+from router.http.keys import IMAGES, MANAGER
 from router.http.sse import StreamOpenedError
 from router.lifecycle import ModelSlot
 from router.openai.common import autoload
@@ -49,7 +49,7 @@ def _about_input() -> Iterator[None]:
 async def _prepare(request: web.Request, req: ResponsesRequest, chat: ChatRequest) -> PreparedTurn:
     manager = request.app[MANAGER]
     with _about_input():
-        return await prepare_turn(manager, manager.resolve(req.model), chat)
+        return await prepare_turn(manager, manager.resolve(req.model), chat, request.app[IMAGES])
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

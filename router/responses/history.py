@@ -10,6 +10,9 @@
   the Chat Completions front-end does), and a reasoning item becomes the
   turn's `reasoning_content` (templates such as Qwen3's render it).
 - A function_call_output is a `tool` message answering its call_id.
+- A user message with input_image parts gets content as text and
+  {"type": "image"} parts (router/chat/image_parts.py); conversation_images
+  lists its images in the same order, earlier turns' included.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from router.chat.image_parts import image_part
+from router.media.types import ImageRef
 from router.responses.items import output_text
 from router.responses.tools import ToolSet
 
@@ -37,7 +42,7 @@ def template_messages(items: list[dict[str, Any]], instructions: str | None,
             continue
         if kind == "message" and item["role"] != "assistant":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text(item)})
+            messages.append({"role": role, "content": _content(item)})
         elif kind == "message":
             messages.append(_assistant(_text(item), reasoning))
         elif kind == "function_call":
@@ -70,7 +75,34 @@ def reasoning_text(item: dict[str, Any]) -> str:
 
 
 def _text(item: dict[str, Any]) -> str:
-    return "\n".join(part["text"] for part in item["content"])
+    return "\n".join(part["text"] for part in item["content"] if part["type"] != "input_image")
+
+
+def _content(item: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """A non-assistant message's text, or its text and image parts when it holds images."""
+    parts = item["content"]
+    if not any(part["type"] == "input_image" for part in parts):
+        return _text(item)
+    return [image_part() if part["type"] == "input_image" else {"type": "text", "text": part["text"]}
+            for part in parts]
+
+
+def conversation_images(history: list[dict[str, Any]],
+                        input_items: list[dict[str, Any]]) -> tuple[ImageRef, ...]:
+    """The images of the conversation's messages, in the order template_messages
+    renders them. An image of an earlier turn (stored, reached through
+    previous_response_id) names that field; one of this request its own."""
+    images = []
+    for origin, items in (("previous_response_id", history), ("input", input_items)):
+        for index, item in enumerate(items):
+            if item["type"] != "message":
+                continue
+            for part_index, part in enumerate(item["content"]):
+                if part["type"] == "input_image":
+                    param = (origin if origin == "previous_response_id"
+                             else f"input[{index}].content[{part_index}].image_url")
+                    images.append(ImageRef(part["image_url"], param, part["detail"]))
+    return tuple(images)
 
 
 def _assistant(content: str, reasoning: list[str]) -> dict[str, Any]:

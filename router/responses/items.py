@@ -6,10 +6,11 @@ turns into template messages. Every refusal names its field
 (`input[2].content[0].type`).
 
 Accepted: messages (roles user, system, developer, assistant; content a
-string or input_text/output_text parts, and refusal parts from assistants),
-function_call, function_call_output and reasoning items. Everything else
-(images, files, audio, hosted tool calls, item references, compaction
-items) is refused: this server has text models and no hosted tools.
+string or input_text/output_text parts, input_image parts in user messages,
+and refusal parts from assistants), function_call, function_call_output and
+reasoning items. Everything else (files, audio, an input_image's file_id,
+hosted tool calls, item references, compaction items) is refused: this
+server has no Files API and no hosted tools.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from router.chat.image_parts import detail_of, image_url
 from router.http.errors import invalid
 from router.responses import ids
 
@@ -92,29 +94,44 @@ def _message_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise invalid(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, str):
-        parts = [content]
+        shaped = [_text(role, content)]
     elif isinstance(content, list):
-        parts = [_text_part(part, role, f"{where}.content[{index}]") for index, part in enumerate(content)]
+        shaped = [_part(part, role, f"{where}.content[{index}]") for index, part in enumerate(content)]
     else:
         raise invalid("a message's content must be a string or a list of content parts",
                       f"{where}.content", "invalid_type")
-    if role == "assistant":
-        shaped = [{"type": "output_text", "text": text, "annotations": []} for text in parts]
-    else:
-        shaped = [{"type": "input_text", "text": text} for text in parts]
     return _message(role, shaped, _given_id(item, ids.MESSAGE))
 
 
-def _text_part(part: Any, role: str, where: str) -> str:
+def _text(role: str, text: str) -> dict[str, Any]:
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
+
+
+def _part(part: Any, role: str, where: str) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise invalid("a content part must be an object", where, "invalid_type")
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text"):
-        return _string(part, "text", where)
+        return _text(role, _string(part, "text", where))
     if kind == "refusal" and role == "assistant":
-        return _string(part, "refusal", where)
+        return _text(role, _string(part, "refusal", where))
+    if kind == "input_image":
+        return _input_image(part, role, where)
     raise invalid(f"content part type {kind!r} is not supported: this server takes text "
-                  "(input_text, output_text)", f"{where}.type")
+                  "(input_text, output_text) and images (input_image)", f"{where}.type")
+
+
+def _input_image(part: dict[str, Any], role: str, where: str) -> dict[str, Any]:
+    if role != "user":
+        raise invalid(f"{where} is an image in a {role} message; images go in user messages "
+                      "only", f"{where}.type")
+    if part.get("file_id") is not None:
+        raise invalid("'file_id' needs the Files API, which this server does not have; send "
+                      "image_url (a data: URI or an http(s) URL)", f"{where}.file_id")
+    return {"type": "input_image", "image_url": image_url(part.get("image_url"), f"{where}.image_url"),
+            "detail": detail_of(part.get("detail"), f"{where}.detail"), "file_id": None}
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:

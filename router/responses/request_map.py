@@ -3,7 +3,7 @@ the response object echoes back.
 
 Mapping: `input` items (after the stored conversation of
 previous_response_id) and `instructions` -> template messages
-(history.py); tools and tool_choice -> function tools (tools.py);
+(history.py), their input_image parts -> the request's images; tools and tool_choice -> function tools (tools.py);
 text.format -> the response_format grammar; max_output_tokens, temperature
 and top_p -> sampling; reasoning.effort -> a thinking budget ("none" and
 "minimal" turn thinking off; router/chat/thinking_budget.py's table);
@@ -29,7 +29,7 @@ from router.chat.request import ChatRequest
 from router.chat.thinking_budget import effort_budget
 from router.http.errors import invalid
 from router.json_schema_limits import check_enforceable
-from router.responses.history import template_messages
+from router.responses.history import conversation_images, template_messages
 from router.responses.items import canonical_input
 from router.responses.schema import ResponsesRequest
 from router.responses.store import MissingResponse, ResponseStore
@@ -74,6 +74,7 @@ def build_plan(req: ResponsesRequest, store: ResponseStore) -> ResponsePlan:
                       "missing_required_parameter")
     chat = ChatRequest(
         messages=messages,
+        images=conversation_images(history, input_items),
         sampling=SamplingRequest(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                  top_p=req.top_p, logprobs=_logprobs(req)),
         tools=tools.chat_tools,

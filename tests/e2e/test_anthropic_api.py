@@ -363,7 +363,7 @@ OK = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content":
         ({**OK, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({**OK, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-         "messages[0].content[0].type"),
+         "messages[0].content[0].source"),
         ({**OK, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 512}},
          "thinking.budget_tokens"),
         ({**OK, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}},

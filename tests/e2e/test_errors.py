@@ -32,7 +32,7 @@ def with_(**fields: object) -> dict:
         (with_(messages=[]), "messages", "invalid_value"),
         (with_(messages="hi"), "messages", "invalid_type"),
         (with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-         "messages[0].content[0].type", "invalid_value"),
+         "messages[0].content[0].image_url", "missing_required_parameter"),
         (with_(stop=[1, 2]), "stop[0]", "invalid_type"),
         ({"model": "smollm2"}, "messages", "missing_required_parameter"),
     ],

@@ -394,7 +394,7 @@ def test_the_store_keeps_within_its_bytes(byte_store: Server) -> None:
         ({"prompt": {"id": "pmpt_123"}}, "prompt"),
         ({"input": [{"type": "compaction", "encrypted_content": "x"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0].type"),
+         "input[0].content[0].image_url"),
         ({"truncation": "auto"}, "truncation"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),

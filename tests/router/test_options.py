@@ -26,7 +26,7 @@ from router.settings import ModelSettings, SamplingOverrides
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
-    "device-memory-mib kv-dtype quantize gguf-weights kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
+    "device-memory-mib kv-dtype quantize gguf-weights vision mmproj mm kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
     "model-draft spec-draft-model md draft-tokens draft-max spec-draft-n-max draft-n draft "
     "spec-ngram-min spec-ngram-max expert-residency cpu-moe cmoe n-cpu-moe ncmoe "
     "expert-cache-mib moe-cache-mib ctx-checkpoints swa-checkpoints checkpoint-every-n-tokens "
@@ -47,7 +47,7 @@ def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
     expected = {f"--{name}" for name in CLI_NAMES} | {
         "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "--no-slots",
-        "--no-cpu-moe", "--no-cmoe", "-h", "--help"}
+        "--no-cpu-moe", "--no-cmoe", "--no-vision", "-h", "--help"}
     assert flags == expected
 
 

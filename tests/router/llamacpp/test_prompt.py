@@ -38,7 +38,7 @@ def test_prompt_shapes(prompt: object, parts: object) -> None:
 @pytest.mark.parametrize(("prompt", "code"), [
     (["a", "b"], "invalid_value"), ([[1], [2]], "invalid_value"), ([], "invalid_value"),
     ([True], "invalid_type"), ([1.5], "invalid_type"), ([["a", "b"]], "invalid_type"),
-    ({"prompt_string": "x", "multimodal_data": ["AAAA"]}, "multimodal_data_not_supported"),
+    ({"prompt_string": "x", "multimodal_data": ["AAAA"]}, "invalid_value"),
     ({"text": "x"}, "invalid_type"),
 ])
 def test_prompts_refused(prompt: object, code: str) -> None:

@@ -36,7 +36,7 @@ def test_every_accepted_item_kind() -> None:
 
 @pytest.mark.parametrize(("item", "param"), [
     ({"type": "message", "role": "tool", "content": "x"}, "input[0].role"),
-    ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}, "input[0].content[0].type"),
+    ({"role": "system", "content": [{"type": "input_image", "image_url": "http://x"}]}, "input[0].content[0].type"),
     ({"role": "user", "content": 3}, "input[0].content"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id"),
     ({"type": "function_call_output", "call_id": "c"}, "input[0].output"),

@@ -1,0 +1,99 @@
+"""The vision tower of a model served with --vision, as the model runner uses it.
+
+load_vision_encoder reads the tower's tensors (visual.* or model.visual.*,
+which the text load skips) and the image processor settings from the model
+directory. encode() turns a step's new images (protocol ImageInput: RGB
+already resized by the router) into the embeddings placed at their image
+tokens, and Qwen3-VL's deepstack features, one batched tower pass for all
+of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.loader.hf_weights import read_hf_config, safetensors_files
+from engine.models.vision import VisionTower, build_vision_tower
+from engine.models.vision.patches import pixel_patches
+from engine.models.vision.weights import load_vision_weights, vision_prefix
+from protocol import ImageInput
+from protocol.vision import VisionSpec, read_vision_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image's tower output: [num_tokens, hidden] embeddings and, for
+    Qwen3-VL, one [num_tokens, hidden] deepstack feature per listed layer."""
+
+    embeddings: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...]
+
+
+class VisionEncoder:
+    def __init__(self, tower: VisionTower, spec: VisionSpec, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.tower = tower
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.tower.parameters())
+
+    def num_tokens(self, image: ImageInput) -> int:
+        return image.grid_t * image.grid_h * image.grid_w // self.spec.merge_size**2
+
+    @torch.inference_mode()
+    def encode(self, images: Sequence[ImageInput]) -> list[EncodedImage]:
+        """The images' tower outputs, in order (one pass over all of them)."""
+        patches = torch.cat([
+            pixel_patches(image.rgb, image.grid_t, image.grid_h, image.grid_w, self.spec,
+                          self.dtype, self.device)
+            for image in images
+        ])
+        grids = [(image.grid_t, image.grid_h, image.grid_w) for image in images]
+        embeddings, deepstack = self.tower(patches, grids)
+        counts = [self.num_tokens(image) for image in images]
+        if sum(counts) != embeddings.shape[0]:
+            raise RuntimeError(f"the tower gave {embeddings.shape[0]} embeddings for "
+                               f"{sum(counts)} image tokens")
+        per_image = embeddings.split(counts)
+        per_layer = [feature.split(counts) for feature in deepstack]
+        return [EncodedImage(per_image[i], tuple(layer[i] for layer in per_layer))
+                for i in range(len(images))]
+
+
+def _vision_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if vision_prefix(name) is not None:
+                    yield name, handle.get_tensor(name)
+
+
+def load_vision_encoder(model_path: Path, device: torch.device,
+                        dtype: torch.dtype) -> VisionEncoder:
+    """The tower of a Hugging Face vision-language model directory, filled,
+    with its image processor settings. ValueError names what is missing."""
+    if not model_path.is_dir():
+        raise ValueError(f"--vision needs a Hugging Face model directory with its vision tower; "
+                         f"{model_path.name} is a file (GGUF vision towers, --mmproj, are not "
+                         "supported yet)")
+    spec = read_vision_spec(model_path)
+    tower = build_vision_tower(read_hf_config(model_path), device, dtype)
+    load_vision_weights(tower, _vision_tensors(safetensors_files(model_path)))
+    tower.eval()
+    encoder = VisionEncoder(tower, spec, device, dtype)
+    log.info("vision tower: %.1f MiB of weights (%s), patch %d, merge %d, pixels %d..%d",
+             encoder.weights_bytes / 2**20, dtype, spec.patch_size, spec.merge_size,
+             spec.min_pixels, spec.max_pixels)
+    return encoder
