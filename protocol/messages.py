@@ -51,6 +51,10 @@ class ImageInput(msgspec.Struct, **_STRUCT):
     digest: bytes
     rgb: bytes
 
+    def num_tokens(self, merge_size: int) -> int:
+        """Its image tokens in the prompt: one per merge_size x merge_size patches."""
+        return self.grid_t * self.grid_h * self.grid_w // merge_size**2
+
 
 class Generate(msgspec.Struct, tag="gen", **_STRUCT):
     request_id: str

@@ -49,9 +49,6 @@ class VisionEncoder:
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.tower.parameters())
 
-    def num_tokens(self, image: ImageInput) -> int:
-        return image.grid_t * image.grid_h * image.grid_w // self.spec.merge_size**2
-
     @torch.inference_mode()
     def encode(self, images: Sequence[ImageInput]) -> list[EncodedImage]:
         """The images' tower outputs, in order (one pass over all of them)."""
@@ -62,7 +59,7 @@ class VisionEncoder:
         ])
         grids = [(image.grid_t, image.grid_h, image.grid_w) for image in images]
         embeddings, deepstack = self.tower(patches, grids)
-        counts = [self.num_tokens(image) for image in images]
+        counts = [image.num_tokens(self.spec.merge_size) for image in images]
         if sum(counts) != embeddings.shape[0]:
             raise RuntimeError(f"the tower gave {embeddings.shape[0]} embeddings for "
                                f"{sum(counts)} image tokens")

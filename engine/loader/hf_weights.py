@@ -34,6 +34,7 @@ from safetensors import safe_open
 from engine.execution.fp8_weight import Fp8Rows
 from engine.loader.pooling import sentence_transformers_pooling
 from engine.models.config import ModelConfig
+from engine.models.vision.weights import VISION_PREFIXES, vision_prefix
 from kernels.fp8_reference import FP8, block_scales_of_tensor, dequantize, scale_shape
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -48,18 +49,15 @@ _TEXT_BACKBONES = {
 _VISION_LANGUAGE = frozenset({"Qwen2_5_VLForConditionalGeneration",
                               "Qwen3VLForConditionalGeneration"})
 _LANGUAGE_MODEL_PREFIX = "model.language_model."
-# Where checkpoints keep a vision tower: transformers 5 and Qwen3-VL releases
-# under model.visual., Qwen2.5-VL releases under visual.
-VISION_TENSOR_PREFIXES = ("model.visual.", "visual.")
 # Prefix -> what it holds, for tensors the text model does not use.
-_SKIPPED_PREFIXES = {**dict.fromkeys(VISION_TENSOR_PREFIXES, "vision tower"),
+_SKIPPED_PREFIXES = {**dict.fromkeys(VISION_PREFIXES, "vision tower"),
                      "mtp.": "MTP head"}
 
 
 def is_vision_tensor(stored_name: str) -> bool:
     """Whether a checkpoint tensor (its stored name) belongs to a vision
     tower, which the text load skips and the vision load reads."""
-    return stored_name.startswith(VISION_TENSOR_PREFIXES)
+    return vision_prefix(stored_name) is not None
 
 
 class HFCheckpoint:

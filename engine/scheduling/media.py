@@ -56,7 +56,7 @@ class SequenceMedia:
         end = 0
         keys = list(prompt)
         for number, image in enumerate(ordered):
-            count = image.grid_t * image.grid_h * image.grid_w // merge_size**2
+            count = image.num_tokens(merge_size)
             if image.offset < end or image.offset + count > len(prompt) or any(
                     token != image_token_id for token in prompt[image.offset:image.offset + count]):
                 raise ValueError(f"image {number} (offset {image.offset}, {count} tokens) does "

@@ -26,7 +26,8 @@ from typing import Any, NoReturn
 
 from router.anthropic.fields import refuse
 from router.anthropic.schemas import InputMessage
-from router.chat.image_parts import MessageContent, data_uri
+from router.chat.image_parts import MessageContent
+from router.media.sources import data_uri_from_base64
 from router.media.types import ImageRef
 
 # How a failed tool call (tool_result with is_error) reads to the model: the
@@ -98,7 +99,7 @@ def _image(block: dict[str, Any], where: str) -> ImageRef:
         if not isinstance(data, str) or not data:
             raise refuse(f"{param}.data", "a base64 image source needs its data as a string",
                          "invalid_type")
-        return ImageRef(data_uri(media_type, data), param)
+        return ImageRef(data_uri_from_base64(data, media_type), param)
     if kind == "url":
         url = source.get("url")
         if not isinstance(url, str) or not url.strip():

@@ -46,10 +46,6 @@ def image_url(value: Any, param: str) -> str:
     return value
 
 
-def data_uri(media_type: str, base64_data: str) -> str:
-    return f"data:{media_type};base64,{base64_data}"
-
-
 class MessageContent:
     """One message's content as it is read: its text parts in order, and its
     images, which also join the request's list (`images`, shared by every

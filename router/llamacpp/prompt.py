@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import ImageInput
-from router.chat.image_parts import data_uri
 from router.http.errors import invalid
 from router.media.image_loader import ImageLoader
 from router.media.placement import check_image_tokens, image_input
+from router.media.sources import data_uri_from_base64
 from router.media.types import ImageRef, PreparedImage, VisionSpec
 from router.text.model_text import ModelText
 
@@ -95,7 +95,7 @@ def _media(item: Any, param: str) -> ImageRef:
         return ImageRef(item, param)
     media_type = next((kind for magic, kind in _BASE64_MAGIC if item.startswith(magic)),
                       "application/octet-stream")
-    return ImageRef(data_uri(media_type, item), param)
+    return ImageRef(data_uri_from_base64(item, media_type), param)
 
 
 def prompt_images(parts: PromptParts) -> tuple[ImageRef, ...]:

@@ -206,8 +206,6 @@ def test_vision_refuses_a_text_model(tmp_path: Path) -> None:
 
 def build_kernel_sized_model(arch: str, path: Path) -> torch.nn.Module:
     """A tiny VL model whose heads (64 wide) our CUDA kernels serve."""
-    import transformers
-
     from tests.support.tiny_vl_models import tiny_vl_config
 
     config = tiny_vl_config(arch)
@@ -216,15 +214,7 @@ def build_kernel_sized_model(arch: str, path: Path) -> torch.nn.Module:
     sections = [8, 12, 12] if arch == "qwen2_5_vl" else [12, 10, 10]
     text.rope_parameters = {**text.rope_parameters, "mrope_section": sections}
     vision.out_hidden_size = 256
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
-
-    for name in QWEN3_TOKENIZER_FILES:
-        (path / name).write_bytes((qwen3_tokenizer() / name).read_bytes())
-    return model
+    return build_tiny_vl_model(arch, path, config=config)
 
 
 @pytest.mark.gpu

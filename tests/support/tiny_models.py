@@ -90,9 +90,15 @@ def build_tiny_model(arch: str, target: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
     model.eval()
+    save_with_qwen3_tokenizer(model, target)
+    return target
+
+
+def save_with_qwen3_tokenizer(model: object, target: Path) -> None:
+    """A transformers model saved into target (safetensors) beside the Qwen3
+    tokenizer's files: a Hugging Face directory we can serve."""
     target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
+    model.save_pretrained(target, safe_serialization=True)  # type: ignore[attr-defined]
     source = qwen3_tokenizer()
     for name in QWEN3_TOKENIZER_FILES:
         shutil.copyfile(source / name, target / name)
-    return target

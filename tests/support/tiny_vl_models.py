@@ -8,11 +8,9 @@ Vision towers of two blocks, 32 wide, merging 2 x 2 patches.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from tests.support.fixtures import QWEN3_TOKENIZER_FILES, qwen3_tokenizer
-from tests.support.tiny_models import QWEN_BOS, QWEN_EOS, QWEN_VOCAB
+from tests.support.tiny_models import QWEN_BOS, QWEN_EOS, QWEN_VOCAB, save_with_qwen3_tokenizer
 
 # Token ids both configs (and the Qwen tokenizers) use.
 IMAGE_TOKEN = 151655  # <|image_pad|>
@@ -53,18 +51,15 @@ def tiny_vl_config(arch: str):
     raise ValueError(f"unknown tiny vision-language architecture {arch!r}")
 
 
-def build_tiny_vl_model(arch: str, target: Path, seed: int = 0):
-    """Save a random-weight model of arch into target; returns the model (float32, eval)."""
+def build_tiny_vl_model(arch: str, target: Path, seed: int = 0, config=None):
+    """Save a random-weight model of arch (or of config, one of tiny_vl_config's
+    changed) into target; returns the model (float32, eval)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(tiny_vl_config(arch),
-                                                                 dtype=torch.float32)
+    model = transformers.AutoModelForImageTextToText.from_config(
+        config if config is not None else tiny_vl_config(arch), dtype=torch.float32)
     model.eval()
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
-    source = qwen3_tokenizer()
-    for name in QWEN3_TOKENIZER_FILES:
-        shutil.copyfile(source / name, target / name)
+    save_with_qwen3_tokenizer(model, target)
     return model
