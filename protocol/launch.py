@@ -118,8 +118,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Images in (issue 21): vision loads the model's vision tower and lets
     # requests carry images; off, the router refuses them (400
     # vision_disabled). mmproj: the vision projector GGUF of a GGUF model,
-    # as llama.cpp ships them in pairs (llama.cpp's --mmproj); None: the
-    # checkpoint's own tower (a Hugging Face directory), or a file found beside it.
+    # as llama.cpp ships them in pairs (llama.cpp's --mmproj; the router
+    # writes here the mmproj*.gguf it found in the model's directory); None:
+    # the checkpoint's own tower (a Hugging Face directory).
     vision: bool = False
     mmproj: str | None = None
 

@@ -3,7 +3,9 @@
 A single-model server has one entry. With --models-dir DIR:
 - each `*.gguf` directly in DIR is a model named after its file stem;
 - each subdirectory holding config.json and *.safetensors (a Hugging Face
-  model) or exactly one .gguf is a model named after the subdirectory.
+  model) or exactly one .gguf is a model named after the subdirectory; a
+  .gguf there whose name contains "mmproj" is the model's vision projector,
+  used when it is served with --vision (router/mmproj.py).
 Anything else is skipped with a log line that says why. A --models-preset
 adds models of its own (sections with `model = PATH`) and configures models
 of the directory by name (docs/presets.md).
@@ -17,8 +19,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from protocol.vision import VisionSpec, VisionSpecError, read_vision_spec
 from router.config import ServeConfig
+from router.mmproj import is_mmproj_file, mmproj_beside, read_gguf_vision_spec
 from router.options import resolve_settings
 from router.presets import Preset, PresetError, PresetSection, load_preset
 from router.settings import ModelSettings
@@ -36,6 +41,9 @@ class CatalogEntry:
     # A model served with --vision: its image processor settings and image
     # token ids, read once when the catalog is built (with_vision_spec).
     vision: VisionSpec | None = None
+    # The mmproj GGUF found beside a GGUF model in its directory, which
+    # --vision uses unless --mmproj names another.
+    mmproj: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -65,16 +73,26 @@ def with_vision_spec(entry: CatalogEntry) -> CatalogEntry:
     """The entry with its VisionSpec when it is served with --vision. A
     model that cannot take images then stops the server (or the reload) with
     the reason, rather than failing its first image. ValueError."""
-    if not entry.settings.engine.vision:
+    engine = entry.settings.engine
+    if not engine.vision:
         return entry
-    if entry.format == "gguf":
-        # The engine cannot load a projector GGUF's tower yet (issue 21).
-        raise ValueError(f"model {entry.id!r} is served with --vision, but GGUF vision (mmproj) "
-                         "is not supported yet; serve its Hugging Face directory instead")
     try:
-        return replace(entry, vision=read_vision_spec(entry.path))
+        if entry.format == "hf":
+            if engine.mmproj is not None:
+                raise VisionSpecError(f"--mmproj names a GGUF vision projector; {entry.path.name} "
+                                      "is a Hugging Face directory, whose tower is its own")
+            return replace(entry, vision=read_vision_spec(entry.path))
+        mmproj = Path(engine.mmproj) if engine.mmproj is not None else entry.mmproj
+        if mmproj is None:
+            raise VisionSpecError(f"{entry.path.name} is a GGUF text model: give its vision "
+                                  "projector with --mmproj (llama.cpp's mmproj-*.gguf), or put "
+                                  "the mmproj file beside it in the model's directory")
+        spec = read_gguf_vision_spec(entry.path, mmproj)
     except VisionSpecError as exc:
         raise ValueError(f"model {entry.id!r} is served with --vision, but {exc}") from None
+    # The engine reads the projector the router found.
+    settings = replace(entry.settings, engine=msgspec.structs.replace(engine, mmproj=str(mmproj)))
+    return replace(entry, settings=settings, vision=spec)
 
 
 def entry_for_path(path: Path, name: str | None = None) -> CatalogEntry:
@@ -87,9 +105,9 @@ def entry_for_path(path: Path, name: str | None = None) -> CatalogEntry:
     if path.is_dir():
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             return CatalogEntry(name or path.name, path, "hf")
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = sorted(p for p in path.glob("*.gguf") if not is_mmproj_file(p))
         if len(ggufs) == 1:
-            return CatalogEntry(name or path.name, ggufs[0], "gguf")
+            return CatalogEntry(name or path.name, ggufs[0], "gguf", mmproj=mmproj_beside(path))
         if len(ggufs) > 1:
             raise ValueError(f"{path} holds {len(ggufs)} .gguf files; a model directory needs exactly one")
         raise ValueError(f"{path} has neither config.json with *.safetensors nor a .gguf file")
@@ -104,6 +122,10 @@ def scan_models_dir(directory: Path) -> dict[str, CatalogEntry]:
         if child.name.startswith("."):
             continue
         if child.is_file() and child.suffix != ".gguf":
+            continue
+        if child.is_file() and is_mmproj_file(child):
+            log.info("models dir: %s is a vision projector, not a model; put it in its model's "
+                     "directory to serve that model with --vision", child.name)
             continue
         try:
             entry = entry_for_path(child)
@@ -141,7 +163,7 @@ def build_catalog(config: ServeConfig) -> Catalog:
             dict(config.cli_model_options),
         ]
         settings = _resolve(entry.id, layers, preset, section)
-        fresh = CatalogEntry(entry.id, entry.path, entry.format, settings)
+        fresh = CatalogEntry(entry.id, entry.path, entry.format, settings, mmproj=entry.mmproj)
         try:
             entries[entry.id] = with_vision_spec(fresh)
         except ValueError as exc:
@@ -160,7 +182,8 @@ def _single_model_catalog(config: ServeConfig) -> Catalog:
     # A single-model server loads its one model when it starts.
     layers = [dict(config.cli_model_options), {"alias": config.aliases, "load-on-startup": True}]
     entry = with_vision_spec(CatalogEntry(found.id, found.path, found.format,
-                                          _resolve(found.id, layers, None, None)))
+                                          _resolve(found.id, layers, None, None),
+                                          mmproj=found.mmproj))
     return Catalog({entry.id: entry}, _alias_table({entry.id: entry}, None, {}))
 
 

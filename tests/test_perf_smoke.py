@@ -33,6 +33,7 @@ CPU_SCRIPTS = {
     "bench_gpu_moe.py": [],
     "bench_gpu_scores.py": [],
     "bench_gpu_speculation.py": [],
+    "bench_gpu_vision.py": ["--arch", "qwen2_5_vl,qwen3_vl"],
     "bench_gguf_quant.py": [],
     "bench_gpu_quant.py": [],
     "bench_lifecycle.py": [],
@@ -47,6 +48,7 @@ GPU_ONLY = [
     "bench_moe_grouped.py", "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
     "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
     "profile_hybrid_decode.py", "profile_mixed_step.py", "profile_throughput.py",
+    "vision_shapes.py",
 ]
 
 

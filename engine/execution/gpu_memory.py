@@ -49,11 +49,15 @@ class StepPeaks:
     # The penalty counts of every lane, allocated at the first request with
     # penalties (engine/sampling/penalty_state.py).
     penalty_bytes: int = 0
+    # A step with images under --vision: its tower passes and the embeddings
+    # its forward reads (engine/execution/vision_memory.py); 0 without.
+    image_step_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
         """The largest step's peak, plus the penalty counts that live beside it."""
-        return max(self.prefill_bytes, self.decode_bytes) + self.penalty_bytes
+        return (max(self.prefill_bytes, self.decode_bytes, self.image_step_bytes)
+                + self.penalty_bytes)
 
     @property
     def graph_reserve_bytes(self) -> int:

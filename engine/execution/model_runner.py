@@ -200,6 +200,10 @@ class ModelRunner:
                      self.config.architecture)
             return 0.0
         started = time.perf_counter()
+        # torch.cuda.graph empties the allocator's cache when a capture
+        # begins: emptied here first, the reserved bytes' growth is the
+        # graphs' pool alone (not the pool less blocks cached before).
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
                   if self.cuda_graph else None)

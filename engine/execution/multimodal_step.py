@@ -1,10 +1,13 @@
 """A step's multimodal inputs: the vision tower's embeddings at the image
 tokens its chunks compute, and multimodal RoPE's table for all its rows.
 
-Images are encoded when a step first reaches one of their tokens (all the
-images new to the step in one tower pass), kept on their sequence while its
-prompt is prefilled in chunks, and dropped once the prompt is computed: a
-preempted sequence encodes them again if it must compute them again.
+Images are encoded when a step first reaches one of their tokens (the
+images new to the step in tower passes of bounded size: VisionEncoder.encode),
+kept on their sequence while a chunked prefill has tokens of theirs still to
+compute, and dropped in the step that computes their last token, so a
+sequence holds at most the one image its chunk boundary cuts (the bound
+engine/execution/vision_memory.py sets device memory aside for). A preempted
+sequence encodes them again if it must compute them again.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.execution.step_inputs import StepInputs
-from engine.execution.vision_encoder import EncodedImage, VisionEncoder
+from engine.execution.vision_encoder import VisionEncoder
 from engine.models import CausalLM
 from engine.models.mrope import mrope_rope_table
 from engine.models.multimodal_inputs import MultimodalStepInputs
@@ -57,14 +60,13 @@ def multimodal_step_inputs(vision: VisionEncoder, model: CausalLM, inputs: StepI
             lo, hi = max(offset, chunk.start), min(offset + count, end)
             rows.append(torch.arange(first + lo - chunk.start, first + hi - chunk.start))
             image = media.encoded[index]
-            assert isinstance(image, EncodedImage)
             embeddings.append(image.embeddings[lo - offset:hi - offset])
             if not deepstack:
                 deepstack = [[] for _ in image.deepstack]
             for layer, feature in enumerate(image.deepstack):
                 deepstack[layer].append(feature[lo - offset:hi - offset])
-        if end == seq.num_prompt_tokens:
-            media.encoded.clear()  # the prompt's image tokens are all computed now
+            if offset + count <= end:
+                del media.encoded[index]  # its last token is computed in this step
     table = mrope_rope_table(positions3, model.rope_cache, config.mrope_section,
                              config.mrope_interleaved)
     if not rows:

@@ -28,6 +28,7 @@ from engine.loader.packing import PackingPlan, log_packing, plan_fp8, plan_packi
 from engine.models import CausalLM, ModelConfig, build_model
 from engine.models.weight_alloc import deferred_weights
 from protocol import Pooling
+from protocol.vision_gguf import GGUFTextModel
 
 ProgressCallback = Callable[[float, str], None]
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class LoadedModel:
     size_bytes: int  # bytes of the weights as stored on disk
     # The embedding pooling the checkpoint names itself (engine/loader/pooling.py).
     pooling: Pooling | None = None
+    # A vision-language GGUF's facts that pairing it with an mmproj needs
+    # (protocol/vision_gguf.py), read while its metadata is open: reading a
+    # 150k-token vocabulary again takes seconds.
+    gguf_text: GGUFTextModel | None = None
 
 
 class Checkpoint(Protocol):
@@ -108,8 +113,11 @@ def load_model(
     report(1.0)
     n_params = (sum(p.numel() for p in model.parameters())
                 + sum(w.shape.numel() for w in quantized_weights(model)))
+    gguf_text = (GGUFTextModel.from_metadata(checkpoint.metadata(), checkpoint.path.name)
+                 if isinstance(checkpoint, GGUFCheckpoint) and checkpoint.config.mrope_section
+                 else None)
     return LoadedModel(checkpoint.config, model, n_params, checkpoint.size_bytes,
-                       checkpoint.pooling)
+                       checkpoint.pooling, gguf_text)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -122,7 +130,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
         return GGUFCheckpoint(path)
     if (path / "config.json").is_file():
         return HFCheckpoint(path)
-    ggufs = sorted(path.glob("*.gguf"))
+    # A vision projector beside the model (llama.cpp's mmproj*.gguf) is not the model.
+    ggufs = sorted(p for p in path.glob("*.gguf") if "mmproj" not in p.name)
     if len(ggufs) == 1:
         return GGUFCheckpoint(ggufs[0])
     if not ggufs:

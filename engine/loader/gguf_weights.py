@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ class GGUFCheckpoint:
             if packed is not None:
                 yield packed[0], packed[1], done / total  # type: ignore[misc]
                 continue
-            array = _to_numpy(tensor)
+            array = tensor_array(tensor)
             restored = (self._hybrid.restore(tensor.name, array) if self._hybrid is not None
                         else [(self._hf_name(tensor.name), array)])
             for name, array in restored:
@@ -110,6 +111,10 @@ class GGUFCheckpoint:
                 yield name, torch.from_numpy(self._hf_row_order(name, array)), done / total
         if self._hybrid is not None:
             self._hybrid.check_complete()
+
+    def metadata(self) -> Mapping[str, Any]:
+        """The file's key-value metadata, each value read when it is asked for."""
+        return _FieldValues(self.reader)
 
     def _hf_row_order(self, name: str, array: np.ndarray) -> np.ndarray:
         """Undo the converter's q/k row permutation where it made one (rows
@@ -209,7 +214,8 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
-def _to_numpy(tensor: ReaderTensor) -> np.ndarray:
+def tensor_array(tensor: ReaderTensor) -> np.ndarray:
+    """A GGUF tensor as a writable float array (F16 kept, others dequantized)."""
     if tensor.tensor_type == GGMLQuantizationType.F16:
         # Kept in float16: the copy into the model converts, with no float32 detour.
         array = tensor.data
@@ -218,6 +224,23 @@ def _to_numpy(tensor: ReaderTensor) -> np.ndarray:
     # Plain types come back as views of the read-only memory map; torch needs
     # a writable array, and one tensor-sized copy at a time is cheap.
     return np.require(array, requirements=("C", "W"))
+
+
+class _FieldValues(Mapping[str, Any]):
+    """A GGUFReader's fields as plain values, converted on access: a
+    vocabulary of 150k tokens is only turned into strings if it is read."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self._fields = reader.fields
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fields[key].contents()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
 
 
 def _check_tensor_types(reader: GGUFReader, path: Path) -> None:

@@ -326,6 +326,7 @@ class ModelConfig:
             o_proj_bias=meta.has_tensor(f"blk.{block}.attn_output.bias"),
             moe=moe,
             **hybrid,
+            **model_cls.gguf_multimodal(meta),
         )
 
 

@@ -229,6 +229,11 @@ class CausalLM(nn.Module):
         return {}
 
     @classmethod
+    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
+        """hf_multimodal's fields from a GGUF file's metadata (meta: config._GGUFFields)."""
+        return {}
+
+    @classmethod
     def gguf_hybrid(cls, meta: Any, num_layers: int, head_dim: int) -> dict[str, Any]:
         """hf_hybrid's fields from a GGUF file's metadata (meta: config._GGUFFields)."""
         return {}

@@ -6,6 +6,11 @@ layout the config names, and the image embeddings a prefill step places at
 the image tokens (engine/models/multimodal_inputs.py). The vision towers
 are loaded and run elsewhere (engine/models/vision/); the text loader skips
 their tensors (engine/loader/hf_weights.py is_vision_tensor).
+
+llama.cpp's text GGUFs of these models ("qwen2vl", "qwen3vl") hold the plain
+Qwen2 / Qwen3 tensors and name the sections in <arch>.rope.dimension_sections,
+four entries (t, h, w and a fourth axis these models leave at 0); qwen3vl's
+sections interleave, as its rope type (IMROPE) says.
 """
 
 from __future__ import annotations
@@ -18,9 +23,8 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    # llama.cpp ships these as "qwen2vl" GGUFs, not read yet; None also keeps
-    # the "qwen2" GGUF architecture mapped to Qwen2ForCausalLM.
-    gguf_architecture = None
+    # Qwen2-VL's text GGUFs say qwen2vl too: the same decoder and sections.
+    gguf_architecture = "qwen2vl"
 
     @classmethod
     def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -28,9 +32,13 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         section = hf_mrope_section(cfg) or (16, 24, 24)
         return {"mrope_section": section, "mrope_interleaved": False}
 
+    @classmethod
+    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
+        return {"mrope_section": gguf_mrope_section(meta), "mrope_interleaved": False}
+
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    gguf_architecture = None
+    gguf_architecture = "qwen3vl"
 
     @classmethod
     def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -38,3 +46,19 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         # mrope_interleaved: true; the modeling code does not read the flag).
         section = hf_mrope_section(cfg) or (24, 20, 20)
         return {"mrope_section": section, "mrope_interleaved": True}
+
+    @classmethod
+    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
+        return {"mrope_section": gguf_mrope_section(meta), "mrope_interleaved": True}
+
+
+def gguf_mrope_section(meta: Any) -> tuple[int, ...]:
+    """The (t, h, w) sections of <arch>.rope.dimension_sections (meta:
+    config._GGUFFields); a fourth section other than 0 is a layout we do not
+    serve."""
+    key = f"{meta.architecture}.rope.dimension_sections"
+    sections = [int(n) for n in meta.get(key)]
+    if len(sections) < 3 or any(sections[3:]):
+        raise ValueError(f"GGUF {key} is {sections}; three sections (t, h, w), then zeros, "
+                         "are supported")
+    return tuple(sections[:3])

@@ -19,7 +19,12 @@ from engine.execution.gpu_memory import MemoryLedger, StepPeaks, kv_budget_bytes
 from engine.execution.kv_dtype import check_fp8_supported, kv_torch_dtype
 from engine.execution.model_ops import CudaOps, kernels_usable, make_ops
 from engine.execution.model_runner import ModelRunner
-from engine.execution.vision_encoder import VisionEncoder, load_vision_encoder
+from engine.execution.vision_encoder import (
+    VisionEncoder,
+    load_gguf_vision_encoder,
+    load_vision_encoder,
+)
+from engine.execution.vision_memory import profile_vision_pass
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.disk_tier import DiskTier, artifact_digest, format_digest, tier_directory
@@ -158,6 +163,11 @@ def assemble_engine(
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
             chunk_graph_tokens=chunk_graph_tokens(config.max_batched_tokens) if cuda_graph else 0,
         )
+        if vision is not None:
+            progress(1.0, "measuring the vision tower's memory")
+            image_step = profile_vision_pass(vision).image_step_bytes(
+                peaks.prefill_bytes, config.max_batched_tokens)
+            peaks = dataclasses.replace(peaks, image_step_bytes=image_step)
         # The expert cache (engine/execution/expert_cache.py) is allocated with
         # the model runner, after the pool is planned: its room is set aside.
         budget = kv_budget_bytes(peaks, headroom_bytes + expert_cache_bytes, device, cuda_graph,
@@ -304,8 +314,7 @@ def _load_vision(config: EngineOptions, model_path: Path, loaded: LoadedModel,
     if not config.vision:
         return None
     if config.mmproj:
-        raise ValueError("--mmproj: GGUF vision towers are not supported yet; serve the "
-                         "model's Hugging Face directory with --vision")
+        return _load_mmproj(config, model_path, loaded, device, dtype)
     if not loaded.config.mrope_section:
         raise ValueError(f"--vision: {loaded.config.architecture} is not a vision-language "
                          "model this server reads images for (Qwen2.5-VL, Qwen3-VL)")
@@ -313,6 +322,24 @@ def _load_vision(config: EngineOptions, model_path: Path, loaded: LoadedModel,
         raise ValueError("--vision with --spec mtp is not supported: the MTP head would draft "
                          "from image tokens' embeddings it never sees")
     return load_vision_encoder(model_path, device, dtype)
+
+
+def _load_mmproj(config: EngineOptions, model_path: Path, loaded: LoadedModel,
+                 device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    """The tower of --mmproj, llama.cpp's vision projector GGUF, for a
+    vision-language text GGUF (loaded.gguf_text: load_model reads it)."""
+    assert config.mmproj is not None
+    mmproj = Path(config.mmproj)
+    if loaded.gguf_text is None:
+        what = ("a Hugging Face directory, whose vision tower is its own: drop --mmproj"
+                if model_path.is_dir() and (model_path / "config.json").is_file()
+                else f"a {loaded.config.architecture} model, not a vision-language GGUF "
+                     "(qwen2vl, qwen3vl)")
+        raise ValueError(f"--mmproj {mmproj.name}: {model_path.name} is {what}")
+    if config.spec == "mtp":
+        raise ValueError("--vision with --spec mtp is not supported: the MTP head would draft "
+                         "from image tokens' embeddings it never sees")
+    return load_gguf_vision_encoder(mmproj, loaded.gguf_text, device, dtype)
 
 
 def _load_draft(config: EngineOptions, device: torch.device, dtype: torch.dtype,

@@ -10,19 +10,24 @@
   knowing about images. The ids lie in [2**31, 2**32): no vocabulary's token
   ids, never a placeholder (those are negative).
 - The tower's output for its images while the prompt is prefilled (the model
-  runner fills it when a step first reaches an image, and drops it once the
-  prompt is computed).
+  runner fills it when a step first reaches an image and drops it in the
+  step that computes the image's last token; a preemption drops it too:
+  engine/execution/vision_memory.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.models.mrope import mrope_positions
 from protocol import ImageInput
+
+if TYPE_CHECKING:  # the model runner's type; scheduling only holds it
+    from engine.execution.vision_encoder import EncodedImage
 
 _KEY_BASE = 2**31
 
@@ -45,7 +50,7 @@ class SequenceMedia:
     delta: int
     key_ids: list[int]  # the prompt's ids as the prefix cache keys them
     # Per image, its tower output while the prompt is being prefilled.
-    encoded: dict[int, object] = field(default_factory=dict)
+    encoded: dict[int, EncodedImage] = field(default_factory=dict)
 
     @classmethod
     def build(cls, prompt: list[int], images: list[ImageInput], image_token_id: int,

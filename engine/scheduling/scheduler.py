@@ -464,6 +464,10 @@ class Scheduler:
         self.running.remove(seq)
         self.lanes.release(seq, finished=False)
         self.kv.free(seq)
+        if seq.media is not None:
+            # Its images are encoded again if it must compute them again: a
+            # waiting sequence holds no device memory.
+            seq.media.encoded.clear()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -127,6 +127,11 @@ class ChatTemplate:
             raise
         except minijinja.TemplateError as exc:
             raise TemplateError(f"chat template error: {exc.message}") from exc
+        except Exception as exc:
+            # Python's own methods on request values (content.startswith()
+            # on a list of parts, a str method with a wrong argument) raise
+            # Python errors through minijinja: still these messages' fault.
+            raise TemplateError(f"chat template error: {type(exc).__name__}: {exc}") from exc
         return _cut_at_continue_mark(text) if continue_final_message else text
 
 

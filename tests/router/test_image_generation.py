@@ -343,7 +343,8 @@ def test_a_vision_model_without_a_processor_config_does_not_start(tmp_path: Path
         build_catalog(parse_serve_command(["serve", *argv]))  # without --vision it serves text
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match="GGUF vision \\(mmproj\\) is not supported yet"):
+    with pytest.raises(ValueError, match=r"model\.gguf is a GGUF text model: give its vision "
+                                         r"projector with --mmproj"):
         build_catalog(parse_serve_command(["serve", str(gguf), "--vision"]))
 
 

@@ -40,8 +40,19 @@ def build_vision_tower(hf_config: dict[str, Any], device: torch.device | str,
                          f"supported: {', '.join(sorted(_TOWERS))}")
     if "vision_config" not in hf_config:
         raise ValueError(f"config.json of a {model_type} model has no vision_config")
-    config = VisionTowerConfig.from_hf(hf_config["vision_config"])
+    return build_tower(str(model_type), VisionTowerConfig.from_hf(hf_config["vision_config"]),
+                       device, dtype)
+
+
+def build_tower(family: str, config: VisionTowerConfig, device: torch.device | str,
+                dtype: torch.dtype) -> VisionTower:
+    """The empty tower of a family ("qwen2_5_vl", "qwen3_vl") and shape: a
+    config.json's (build_vision_tower) or an mmproj GGUF's
+    (engine/loader/gguf_mmproj.py)."""
+    tower_class = _TOWERS.get(family)
+    if tower_class is None:
+        raise ValueError(f"no vision tower for {family!r}; supported: {', '.join(sorted(_TOWERS))}")
     return tower_class(config, device, dtype)
 
 
-__all__ = ["VisionTower", "VisionTowerConfig", "build_vision_tower"]
+__all__ = ["VisionTower", "VisionTowerConfig", "build_tower", "build_vision_tower"]

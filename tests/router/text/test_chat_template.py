@@ -143,6 +143,19 @@ def test_template_rejections_are_template_errors(qwen3_text: ModelText) -> None:
     assert issubclass(TemplateError, ValueError)
 
 
+def test_string_methods_on_list_content_are_template_errors(qwen3_text: ModelText) -> None:
+    # A text model's template given an image part: Python's own string
+    # methods, called by the template on a list, must answer 400, not 500.
+    parts = [{"type": "text", "text": "hi"}, {"type": "image"}]
+    for source in ("{% for m in messages %}{{ m.content.startswith('x') }}{% endfor %}",
+                   "{% for m in messages %}{{ m.content.strip() }}{% endfor %}",
+                   "{{ messages[0].content.split('x') }}"):
+        with pytest.raises(TemplateError, match="chat template error"):
+            ChatTemplate(source).render([{"role": "user", "content": parts}])
+    with pytest.raises(TemplateError):
+        qwen3_text.render_chat([{"role": "user", "content": parts}])
+
+
 def test_syntax_errors_surface_at_construction() -> None:
     with pytest.raises(TemplateError, match="does not compile"):
         ChatTemplate("{% for m in messages %}{{ m.content }}")
