@@ -145,11 +145,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int,
-    workspace: DecodeWorkspace,
+    workspace: DecodeWorkspace | None,
     out: torch.Tensor | None = None,
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
@@ -164,6 +165,11 @@ def paged_decode_attention(
     The caches may both be float8_e4m3fn (an fp8 cache): K and V are read as
     their values times k_scale and v_scale, rounded to bf16 (exact for a
     power-of-two scale), then as from a bf16 cache.
+    num_splits: the splits per (row, kv head) instead of the split rule's
+    choice (which depends on B and max_seq_len). 1 (--deterministic) makes
+    a row's result depend on its own q, length and K/V alone: one CTA walks
+    its context in a fixed order and writes out itself; the workspace is
+    then unused (None allowed) and B, max_seq_len are not bound by it.
     """
     check_cuda_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     device = q.device
@@ -206,6 +212,68 @@ def paged_decode_attention(
         raise ValueError(f"scale must be a finite Python number, got {scale!r}")
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if num_splits != 1:
+        _check_workspace(workspace, batch, num_heads, head_dim, max_seq_len, device)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_cuda_tensor("out", out, dtype=torch.bfloat16, ndim=3, device=device)
+        if out.shape != q.shape:
+            raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+
+    index = _device_index(device)
+    # CTAs sharing one (row, kv head, split): the kernel name's group tile and
+    # decode_split's HT in the .cu.
+    head_tiles = 2 if head_dim == 256 and group > _D256_HEADS_PER_CTA else 1
+    # Counted as kv heads: the split rule aims at a number of CTAs.
+    splits = num_splits or _num_splits(batch, num_kv_heads * head_tiles, max_seq_len,
+                                       _sm_count(index))
+    if splits > 1 and batch * num_heads * splits > workspace.capacity:  # type: ignore[union-attr]
+        # Cannot happen for a workspace made by decode_workspace on this device.
+        raise ValueError(
+            f"workspace holds {workspace.capacity} partials, this call needs "
+            f"{batch * num_heads * splits}"
+        )
+    name = f"paged_decode_d{head_dim}_g{8 if group <= 8 else 16}{'_fp8' if fp8 else ''}"
+    kernel = load_kernel(_SOURCE, name, index)
+    # One split writes out itself: the partials' pointers are never read.
+    partial_out, partial_stats = ((ptr(workspace.partial_out), ptr(workspace.partial_stats))
+                                  if workspace is not None else (np.uint64(0), np.uint64(0)))
+    launch(
+        kernel,
+        (splits * head_tiles, num_kv_heads, batch),
+        (_THREADS,),
+        (
+            ptr(out), partial_out, partial_stats, ptr(q),
+            ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(seq_lens),
+            np.float32(scale * _LOG2E), np.int32(num_kv_heads), np.int32(group),
+            np.int32(page_size.bit_length() - 1), np.int32(block_tables.shape[1]),
+            np.int32(splits), *scales,
+        ),
+        device,
+    )
+    if splits > 1:
+        reduce = load_kernel(_SOURCE, "paged_decode_reduce", index)
+        launch(
+            reduce,
+            (num_heads, batch),
+            (min(head_dim, _THREADS),),  # the .cu's launch bound; threads stride over D
+            (
+                ptr(out), partial_out, partial_stats,
+                ptr(seq_lens), np.int32(num_heads), np.int32(head_dim), np.int32(splits),
+            ),
+            device,
+        )
+    return out
+
+
+def _check_workspace(workspace: DecodeWorkspace | None, batch: int, num_heads: int,
+                     head_dim: int, max_seq_len: int, device: torch.device) -> None:
     if not isinstance(workspace, DecodeWorkspace):
         raise ValueError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
     if batch > workspace.max_batch:
@@ -221,52 +289,3 @@ def paged_decode_attention(
         )
     if workspace.partial_out.device != device:
         raise ValueError(f"workspace is on {workspace.partial_out.device}, expected {device}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_cuda_tensor("out", out, dtype=torch.bfloat16, ndim=3, device=device)
-        if out.shape != q.shape:
-            raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
-    if batch == 0:
-        return out
-
-    index = _device_index(device)
-    # CTAs sharing one (row, kv head, split): the kernel name's group tile and
-    # decode_split's HT in the .cu.
-    head_tiles = 2 if head_dim == 256 and group > _D256_HEADS_PER_CTA else 1
-    # Counted as kv heads: the split rule aims at a number of CTAs.
-    splits = _num_splits(batch, num_kv_heads * head_tiles, max_seq_len, _sm_count(index))
-    if batch * num_heads * splits > workspace.capacity:
-        # Cannot happen for a workspace made by decode_workspace on this device.
-        raise ValueError(
-            f"workspace holds {workspace.capacity} partials, this call needs "
-            f"{batch * num_heads * splits}"
-        )
-    name = f"paged_decode_d{head_dim}_g{8 if group <= 8 else 16}{'_fp8' if fp8 else ''}"
-    kernel = load_kernel(_SOURCE, name, index)
-    launch(
-        kernel,
-        (splits * head_tiles, num_kv_heads, batch),
-        (_THREADS,),
-        (
-            ptr(out), ptr(workspace.partial_out), ptr(workspace.partial_stats), ptr(q),
-            ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(seq_lens),
-            np.float32(scale * _LOG2E), np.int32(num_kv_heads), np.int32(group),
-            np.int32(page_size.bit_length() - 1), np.int32(block_tables.shape[1]),
-            np.int32(splits), *scales,
-        ),
-        device,
-    )
-    if splits > 1:
-        reduce = load_kernel(_SOURCE, "paged_decode_reduce", index)
-        launch(
-            reduce,
-            (num_heads, batch),
-            (min(head_dim, _THREADS),),  # the .cu's launch bound; threads stride over D
-            (
-                ptr(out), ptr(workspace.partial_out), ptr(workspace.partial_stats),
-                ptr(seq_lens), np.int32(num_heads), np.int32(head_dim), np.int32(splits),
-            ),
-            device,
-        )
-    return out

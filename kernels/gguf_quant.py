@@ -7,10 +7,13 @@ repacked. Types: GGUF_KERNEL_TYPES (ids as in gguf.GGMLQuantizationType).
 
 - quant_gemv(x, packed, qtype): out = x @ dequantize(packed).T for 1 to
   QUANT_GEMV_MAX_ROWS rows of x. Each packed byte is read from HBM once per
-  call whatever M is; the block integers go to the tensor cores exactly (as
-  bf16) and the block scales are applied in float32, so the result is the
-  float32 matmul of gguf's dequantized weight up to float32 accumulation
-  order, rounded once to bf16 (kernels/csrc/gguf_quant.cu explains how).
+  call whatever M is; the block integers become floats exactly and the block
+  scales are applied in float32, so the result is the float32 matmul of
+  gguf's dequantized weight up to float32 accumulation order, rounded once to
+  bf16. Up to CUDA_CORE_GEMV_ROWS[type] rows (where measured faster) run on
+  the CUDA cores (quant_gemv_cuda_cores, kernels/csrc/gguf_gemv_small.cu: weight straight
+  into registers, float32 FMAs), more rows on the tensor cores
+  (quant_gemv_tensor_cores, kernels/csrc/gguf_quant.cu).
 - dequantize_to(packed, qtype, out): out = gguf's dequantized values rounded
   to bf16, bit for bit.
 - quant_linear(x, packed, qtype, k): the one to call from a model: the GEMV
@@ -23,6 +26,8 @@ device's SM count).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -46,6 +51,16 @@ GGUF_KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K
 # 16 = two n8 tiles of the mma: batches of 9-16 rows also read the packed
 # bytes once instead of writing and re-reading a bf16 copy (4-8x the bytes).
 QUANT_GEMV_MAX_ROWS = 16
+# The CUDA-core kernel takes up to this many rows (where its staged x fits,
+# cuda_core_gemv_fits).
+CUDA_CORE_GEMV_MAX_ROWS = 4
+# Per type, up to how many rows quant_gemv picks it over the tensor-core
+# kernel: where it measured faster, summed over a layer's projections at
+# the Qwen3-8B shape (tests/perf/bench_gguf_quant.py on the H200,
+# 2026-12-02, docs/performance.md). One row: Q4_K 63 against 70 us, Q6_K
+# 103 against 117; from two rows on, and for Q8_0 (137 against 129 us) and
+# Q4_0 (its blocks are Q8_0's, half the bytes), the tensor cores win.
+CUDA_CORE_GEMV_ROWS: dict[int, int] = {8: 0, 2: 0, 12: 1, 13: 1, 14: 1}
 
 # qtype -> (elements per block, bytes per block), as in gguf's GGML_QUANT_SIZES.
 _BLOCK: dict[int, tuple[int, int]] = {2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176),
@@ -78,6 +93,20 @@ _WARPS_MANY_CTAS = 8
 _WARPS_FEW_CTAS = 16
 _DEQUANT_THREADS = 256
 _MAX_INDEX = 2**31 - 1
+
+# The CUDA-core kernel (gguf_gemv_small.cu): one CTA of 32 warps per SM,
+# 8-row tiles, warps grouped into slots of W that share a tile (at most 15
+# slots: one named barrier each). It stages x as float32 in shared memory;
+# what it leaves of the SM's 256 KiB stays L1, which holds the weight loads
+# in flight, hence a cap below the device's own limit.
+_SMALL_SOURCE = "gguf_gemv_small.cu"
+_SMALL_TILE_ROWS = 8
+_SMALL_WARPS = 32
+_SMALL_MAX_SLOTS = 15
+_SMALL_SHARED_LIMIT = 160 * 1024
+# qtype -> (elements per scale group, whether the kernel keeps sums of x per group)
+_SMALL_GROUPS: dict[int, tuple[int, bool]] = {8: (32, False), 2: (32, True), 12: (32, True),
+                                              13: (32, True), 14: (16, True)}
 
 
 def _require_type(qtype: int) -> str:
@@ -127,6 +156,77 @@ def _gemv_layout(n: int, k: int, qtype: int, sms: int) -> tuple[int, int, int, i
     return ctas, warps, blocks, units
 
 
+@functools.lru_cache(maxsize=4096)  # called per launch
+def _small_layout(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(CTAs, warps per tile W, tile slots per CTA) of the CUDA-core kernel.
+
+    W warps split a tile's K units; W is the one with the fewest unit-steps
+    per warp over all rounds of tiles, the smallest among equals. Where K has
+    at most 8 units and the tiles fit one round, that is W = units whatever N
+    is, so row slices of such a weight sum in the same order (same bits)."""
+    units = -(-k // _UNIT)
+    tiles = -(-n // _SMALL_TILE_ROWS)
+    ctas = min(sms, tiles)
+    best: tuple[int, int, int] | None = None
+    for warps in range(1, min(units, _SMALL_WARPS) + 1):
+        slots = _SMALL_WARPS if warps == 1 else min(_SMALL_WARPS // warps, _SMALL_MAX_SLOTS)
+        cost = -(-tiles // (ctas * slots)) * -(-units // warps)
+        if best is None or cost < best[0]:
+            best = (cost, warps, slots)
+    assert best is not None
+    return ctas, best[1], best[2]
+
+
+def _small_shared_bytes(rows: int, k: int, qtype: int, warps: int, slots: int) -> int:
+    """Dynamic shared memory of the CUDA-core kernel, as gguf_gemv_small.cu
+    lays it out: x as float32 with 4 floats of padding per 64, the sums of x
+    per scale group (rows padded to 4), and the reduction scratch (two
+    buffers of slots x W warps x 8 rows x M)."""
+    group, sums = _SMALL_GROUPS[qtype]
+    x_floats = rows * (k + 4 * -(-k // 64))
+    sum_floats = rows * ((k // group + 3) & ~3) if sums else 0
+    return 4 * (x_floats + sum_floats + 2 * slots * warps * _SMALL_TILE_ROWS * rows)
+
+
+def cuda_core_gemv_fits(rows: int, n: int, k: int, qtype: int, sms: int,
+                        shared_limit: int = _SMALL_SHARED_LIMIT) -> bool:
+    """Whether quant_gemv_cuda_cores takes x [rows, k] against an [n, k]
+    weight: at most CUDA_CORE_GEMV_MAX_ROWS rows, and its shared memory
+    (mostly the staged x) within shared_limit."""
+    _require_type(qtype)
+    if not 1 <= rows <= CUDA_CORE_GEMV_MAX_ROWS or n < 1 or k < 1:
+        return False
+    _, warps, slots = _small_layout(n, k, sms)
+    return _small_shared_bytes(rows, k, qtype, warps, slots) <= shared_limit
+
+
+@functools.cache
+def _shared_limit(device_index: int) -> int:
+    """The CUDA-core kernel's shared-memory cap on this device."""
+    props = torch.cuda.get_device_properties(device_index)
+    return min(_SMALL_SHARED_LIMIT, getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+
+
+def _gemv_arguments(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor | None,
+                    max_rows: int) -> tuple[str, int, int, torch.Tensor, int]:
+    """Check a GEMV's arguments: (type name, N, K, out, out's row stride),
+    out allocated when None."""
+    name = _require_type(qtype)
+    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+    rows, k = x.shape
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"x must have 1 to {max_rows} rows, got {rows}")
+    if x.data_ptr() % 16:
+        raise ValueError("x must start at a 16-byte aligned address")
+    n = _check_packed(packed, qtype, k, x.device)
+    if out is None:
+        return name, n, k, torch.empty((rows, n), dtype=torch.bfloat16, device=x.device), n
+    out_stride = check_row_strided_out(out, rows, n, x.device)
+    if row_strided_out_overlaps(out, out_stride, x) or row_strided_out_overlaps(out, out_stride, packed):
+        raise ValueError("out must not overlap x or packed")
+    return name, n, k, out, out_stride
+
+
 def quant_gemv(x: torch.Tensor, packed: torch.Tensor, qtype: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize(packed).T for a few rows of x.
@@ -137,22 +237,45 @@ def quant_gemv(x: torch.Tensor, packed: torch.Tensor, qtype: int,
     slice of rows is fine). Returns (or fills) out, bf16 [M, N]: its rows
     contiguous, possibly a column range of a wider output (row stride >= N);
     it must not overlap x or packed. Raises ValueError for anything else.
+    Up to CUDA_CORE_GEMV_ROWS[qtype] rows (where cuda_core_gemv_fits) run on
+    the CUDA cores, the others on the tensor cores.
     """
-    name = _require_type(qtype)
-    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-    rows, k = x.shape
-    if not 1 <= rows <= QUANT_GEMV_MAX_ROWS:
-        raise ValueError(f"x must have 1 to {QUANT_GEMV_MAX_ROWS} rows, got {rows}")
-    if x.data_ptr() % 16:
-        raise ValueError("x must start at a 16-byte aligned address")
-    n = _check_packed(packed, qtype, k, x.device)
-    if out is None:
-        out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
-        out_stride = n
-    else:
-        out_stride = check_row_strided_out(out, rows, n, x.device)
-        if row_strided_out_overlaps(out, out_stride, x) or row_strided_out_overlaps(out, out_stride, packed):
-            raise ValueError("out must not overlap x or packed")
+    if (x.is_cuda and x.dim() == 2 and packed.dim() == 2
+            and x.shape[0] <= CUDA_CORE_GEMV_ROWS.get(qtype, 0)):
+        index = device_index_of(x)
+        if cuda_core_gemv_fits(x.shape[0], packed.shape[0], x.shape[1], qtype, sm_count(index),
+                               _shared_limit(index)):
+            return quant_gemv_cuda_cores(x, packed, qtype, out=out)
+    return quant_gemv_tensor_cores(x, packed, qtype, out=out)
+
+
+def quant_gemv_cuda_cores(x: torch.Tensor, packed: torch.Tensor, qtype: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """quant_gemv on the CUDA cores (kernels/csrc/gguf_gemv_small.cu), for
+    1 to CUDA_CORE_GEMV_MAX_ROWS rows of x whose staged copy fits
+    (cuda_core_gemv_fits); arguments as quant_gemv."""
+    name, n, k, out, out_stride = _gemv_arguments(x, packed, qtype, out, CUDA_CORE_GEMV_MAX_ROWS)
+    rows = x.shape[0]
+    index = device_index_of(x)
+    ctas, warps, slots = _small_layout(n, k, sm_count(index))
+    shared = _small_shared_bytes(rows, k, qtype, warps, slots)
+    if shared > _shared_limit(index):
+        raise ValueError(f"x [{rows}, {k}] does not fit the CUDA-core GEMV's shared memory "
+                         f"({shared} > {_shared_limit(index)} bytes); use quant_gemv")
+    kernel = load_kernel(_SMALL_SOURCE, f"gguf_gemv_small_{name}_m{rows}", index)
+    set_max_dynamic_shared(kernel, shared)
+    args = (ptr(out), ptr(x), ptr(packed), np.int32(n), np.int32(k),
+            np.int32(k // _BLOCK[qtype][0]), np.int32(out_stride), np.int32(warps), np.int32(slots))
+    launch(kernel, (ctas,), (32 * warps * slots,), args, x.device, shared_bytes=shared)
+    return out
+
+
+def quant_gemv_tensor_cores(x: torch.Tensor, packed: torch.Tensor, qtype: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """quant_gemv on the tensor cores (kernels/csrc/gguf_quant.cu), for 1 to
+    QUANT_GEMV_MAX_ROWS rows of x; arguments as quant_gemv."""
+    name, n, k, out, out_stride = _gemv_arguments(x, packed, qtype, out, QUANT_GEMV_MAX_ROWS)
+    rows = x.shape[0]
     index = device_index_of(x)
     ctas, warps, blocks, units = _gemv_layout(n, k, qtype, sm_count(index))
     tiles = 1 if rows <= 8 else 2

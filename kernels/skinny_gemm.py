@@ -9,6 +9,15 @@ sums the warps' float32 partials in shared memory in a fixed order
 (deterministic). Numerics: bf16 products accumulated in float32, + bias in
 float32, one rounding to bf16, as cuBLAS does for F.linear.
 
+skinny_linear_rows is the batch-invariant form (--deterministic): any number
+of rows, each computed with the same arithmetic whatever the others are. The
+same kernel body loops over up to 8 tiles of 8 rows while each weight
+fragment is in registers, so the weight is read once per 64 rows; the K
+split (warps and their steps) is a function of K alone (rows_k_split), and a
+row's accumulators, their order and the warps' reduction order depend on
+nothing else, so a row comes out bit for bit the same alone, in any batch,
+in any chunk of a prompt (tests/kernels/test_batch_invariant_kernels_gpu.py).
+
 CUDA-graph safe: with `out` given nothing is allocated, nothing syncs, and the
 launch grid depends only on the shapes (and the device's SM count).
 """
@@ -20,6 +29,7 @@ import torch
 
 from kernels.cuda_build import (
     check_cuda_tensor,
+    device_index_of,
     launch,
     load_kernel,
     ptr,
@@ -43,6 +53,8 @@ _WARPS_FEW_CTAS = 32
 # the last CTA) far from overflow.
 _MAX_K = 2**30
 _MAX_N = 2**30
+# skinny_linear_rows: the most x rows (row numbers stay int32 in the kernel).
+SKINNY_ROWS_LIMIT = 2**30
 
 
 def _layout(rows: int, k: int, sms: int) -> tuple[int, int, int, int]:
@@ -63,18 +75,51 @@ def _layout(rows: int, k: int, sms: int) -> tuple[int, int, int, int]:
     return row_groups, ctas, warps, steps
 
 
+# skinny_linear_rows: at most this many warps per CTA, whatever the shapes
+# (its K split must not depend on the SM count or N), tiles of 8 rows per CTA
+# as powers of two up to 8 (64 rows), and chunks of rows that take each CTA's
+# weight rows in turn, so their x stays in L2 while the weight streams once.
+ROWS_MAX_WARPS = 8
+_ROW_TILES = (1, 2, 4, 8)
+_GROUP_CHUNKS = 8
+
+
+def rows_k_split(k: int) -> tuple[int, int]:
+    """(warps, steps of 128 K) with which skinny_linear_rows sums a row over
+    K: the steps spread evenly over at most ROWS_MAX_WARPS warps (warp w
+    takes steps w, w + warps, ...), then the warps' partials added in warp
+    order. A function of K alone: this is each row's reduction order."""
+    steps = -(-k // _STEP_K)
+    steps_per_warp = -(-steps // ROWS_MAX_WARPS)
+    return -(-steps // steps_per_warp), steps
+
+
+def _rows_layout(rows: int, n: int, sms: int) -> tuple[int, int, int, int]:
+    """(tiles of 8 rows per CTA, row groups per CTA, CTAs per chunk, chunks)
+    for skinny_linear_rows: performance choices only (none changes a row's
+    arithmetic). Two row groups (half the x loads) when the grid still
+    fills the chip."""
+    needed = -(-rows // 8)
+    tiles = next((t for t in _ROW_TILES if t >= needed), _ROW_TILES[-1])
+    chunks = -(-rows // (8 * tiles))
+    row_groups = 2 if -(-n // (2 * _ROWS_PER_GROUP)) * chunks >= sms else 1
+    return tiles, row_groups, -(-n // (row_groups * _ROWS_PER_GROUP)), chunks
+
+
 def _aligned(tensor: torch.Tensor) -> bool:
     # The kernel reads x and the weight in 16-byte vectors.
     return tensor.data_ptr() % 16 == 0
 
 
-def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor,
+                            max_rows: int = SKINNY_MAX_ROWS) -> bool:
     """Whether skinny_linear takes (x, weight): a cheap host-side check of
     shapes, dtypes, devices, layout and alignment only (no sync).
 
-    x must be bf16 [M, K], 1 <= M <= SKINNY_MAX_ROWS, contiguous, 16-byte
-    aligned; weight bf16 [N, K], N >= 1, contiguous, 16-byte aligned, on x's
-    CUDA device; K a positive multiple of 8.
+    x must be bf16 [M, K], 1 <= M <= max_rows (skinny_linear_rows:
+    SKINNY_ROWS_LIMIT), contiguous, 16-byte aligned; weight bf16 [N, K], N >= 1,
+    contiguous, 16-byte aligned, on x's CUDA device; K a positive multiple
+    of 8.
     """
     if not (x.is_cuda and weight.is_cuda and x.device == weight.device):
         return False
@@ -84,7 +129,7 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows, k = x.shape
     n, weight_k = weight.shape
-    if not 1 <= rows <= SKINNY_MAX_ROWS or weight_k != k or not 1 <= n <= _MAX_N:
+    if not 1 <= rows <= max_rows or weight_k != k or not 1 <= n <= _MAX_N:
         return False
     if k < _VECTOR or k % _VECTOR or k > _MAX_K:
         return False
@@ -108,12 +153,71 @@ def skinny_linear(
     the inputs. Raises ValueError for anything else (callers check
     skinny_linear_supported and fall back to F.linear).
     """
+    out = _checked_out(x, weight, bias, out, SKINNY_MAX_ROWS)
+    rows, k = x.shape
+    n = weight.shape[0]
+    device_index = device_index_of(x)
+    row_groups, ctas, warps, steps = _layout(n, k, sm_count(device_index))
+    kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}", device_index)
+    args = (
+        ptr(out),
+        ptr(x),
+        ptr(weight),
+        ptr(bias) if bias is not None else np.uint64(0),
+        np.int32(n),
+        np.int32(k),
+        np.int32(steps),
+    )
+    launch(kernel, (ctas,), (32 * warps,), args, x.device)
+    return out
+
+
+def skinny_linear_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for any number of rows, batch-invariant:
+    each row of out is bit for bit what this function gives for that row
+    alone (the same K split and reduction order, rows_k_split(K), whatever
+    M is). Arguments and numerics as skinny_linear, but x may have 1 to
+    SKINNY_ROWS_LIMIT rows."""
+    out = _checked_out(x, weight, bias, out, SKINNY_ROWS_LIMIT)
+    rows, k = x.shape
+    n = weight.shape[0]
+    device_index = device_index_of(x)
+    tiles, row_groups, ctas, chunks = _rows_layout(rows, n, sm_count(device_index))
+    warps, steps = rows_k_split(k)
+    if ctas * chunks >= 2**31:
+        raise ValueError(f"x [{rows}, {k}] @ weight [{n}, {k}]^T needs too many CTAs for one launch")
+    kernel = load_kernel(_SOURCE, f"skinny_rows_t{tiles}_rg{row_groups}", device_index)
+    args = (
+        ptr(out),
+        ptr(x),
+        ptr(weight),
+        ptr(bias) if bias is not None else np.uint64(0),
+        np.int32(n),
+        np.int32(k),
+        np.int32(steps),
+        np.int32(rows),
+        np.int32(chunks),
+        np.int32(_GROUP_CHUNKS),
+    )
+    launch(kernel, (ctas * chunks,), (32 * warps,), args, x.device)
+    return out
+
+
+def _checked_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None, max_rows: int) -> torch.Tensor:
+    """Checks the arguments of a skinny GEMM of at most max_rows rows of x;
+    returns out, allocated when None."""
     check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
     check_cuda_tensor("weight", weight, dtype=torch.bfloat16, ndim=2, device=x.device)
     rows, k = x.shape
     n = weight.shape[0]
-    if not 1 <= rows <= SKINNY_MAX_ROWS:
-        raise ValueError(f"x must have 1 to {SKINNY_MAX_ROWS} rows, got {rows}")
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"x must have 1 to {max_rows} rows, got {rows}")
     if weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}] to match x, got {tuple(weight.shape)}")
     if k < _VECTOR or k % _VECTOR or k > _MAX_K:
@@ -139,18 +243,4 @@ def skinny_linear(
         inputs = [x, weight] if bias is None else [x, weight, bias]
         if any(tensors_overlap(out, tensor) for tensor in inputs):
             raise ValueError("out must not overlap x, weight or bias")
-
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    row_groups, ctas, warps, steps = _layout(n, k, sm_count(device_index))
-    kernel = load_kernel(_SOURCE, f"skinny_gemm_m{rows}_rg{row_groups}", device_index)
-    args = (
-        ptr(out),
-        ptr(x),
-        ptr(weight),
-        ptr(bias) if bias is not None else np.uint64(0),
-        np.int32(n),
-        np.int32(k),
-        np.int32(steps),
-    )
-    launch(kernel, (ctas,), (32 * warps,), args, x.device)
     return out

@@ -123,6 +123,11 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # the checkpoint's own tower (a Hugging Face directory).
     vision: bool = False
     mmproj: str | None = None
+    # Batch-invariant mode (docs/architecture.md, "Batch-invariant mode"): a
+    # request's tokens do not depend on what shares its steps, how its
+    # prompt was chunked or which of its prefix came from the cache; every
+    # token is computed as a decode row with fixed reduction orders. Slower.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -200,6 +205,26 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
             raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_KINDS)} (or unset), "
                              f"got {self.quantize!r}")
+        if self.deterministic:
+            self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        """What --deterministic cannot promise, refused before any engine starts
+        (the model's own kind, MoE or hybrid, is checked at load)."""
+        refused = [
+            (self.spec != "none", f"--spec {self.spec}: verifying drafts would compute a "
+                                  "token with other rows of its own sequence"),
+            (self.vision, "--vision: the vision tower's batched encoder has no "
+                          "batch-invariant form"),
+            (self.quantize is not None, f"--quantize {self.quantize}: FP8 projections have no "
+                                        "batch-invariant kernel (serve the bf16 weights)"),
+            (self.gguf_weights == "packed", "--gguf-weights packed: packed GGUF matrices have "
+                                            "no batch-invariant kernel (dequantized, the "
+                                            "default, is served as bf16)"),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise ValueError(f"--deterministic cannot be combined with {why}")
 
     @property
     def is_cuda(self) -> bool:

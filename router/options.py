@@ -334,6 +334,10 @@ OPTIONS: tuple[ModelOption, ...] = (
                 "--mmproj)", "PATH", is_path=True, default_text="none"),
     ModelOption("mm", model_path, "engine.mmproj", "llama.cpp's short name for --mmproj",
                 "PATH", is_path=True, default_text="none"),
+    ModelOption("deterministic", boolean, "engine.deterministic",
+                "batch-invariant mode: a request's tokens are the same alone, in any batch, "
+                "in any prompt chunking and after a prefix-cache hit (dense models; slower, "
+                "docs/serving.md)", flag=True),
     ModelOption("kv-headroom-mib", integer(0), "engine.kv_headroom_mib",
                 "device memory (MiB) that automatic KV sizing leaves free", "MIB"),
     ModelOption("cuda-graph", boolean, "engine.cuda_graph",

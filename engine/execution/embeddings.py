@@ -91,7 +91,7 @@ class Pooler:
         whose final-normed hidden states are hidden [T, H]; returns the
         vectors of the requests this step finishes, their copy to the host
         begun (None when it finishes none)."""
-        starts = inputs.query_start_loc
+        starts = inputs.chunk_starts
         # Rows taken straight from this step (last; cls of a one-chunk prompt),
         # and cls rows kept from an earlier chunk: (chunk index, mode) of each.
         rows: list[int] = []
@@ -143,7 +143,7 @@ class Pooler:
         """One segment sum over the mean chunks' rows; chunks of a longer
         prompt add to or leave a running sum. Returns the finished means
         [m, H] and (chunk index, mode) of each."""
-        starts = inputs.query_start_loc
+        starts = inputs.chunk_starts
         lengths = np.array([chunk.num_tokens for _, chunk in means], dtype=np.int64)
         firsts = np.array([int(starts[index]) for index, _ in means], dtype=np.int64)
         # Each chunk's rows of the step, one after another.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.execution.step_inputs import DeviceInputs, StepInputs
+from engine.execution.step_inputs import DeviceInputs, StepInputs, as_decode_rows
 from engine.models import CausalLM
 from engine.sampling.penalty_state import penalty_state_bytes
 from engine.sampling.sampler import Sampler
@@ -111,6 +111,9 @@ def _peak(model: CausalLM, sampler: Sampler, device_inputs: DeviceInputs,
         # A hybrid model's sequences each need a state row (the pools are attached).
         step.state_slots = np.arange(step.num_seqs, dtype=np.int64)
         step.state_fresh = np.ones(step.num_seqs, dtype=np.bool_)
+    if model.ops.deterministic:
+        # Batch-invariant mode runs every token as a decode row (step_inputs.py).
+        step = as_decode_rows(step)
     input_ids, positions, meta = device_inputs.metadata(step)
     hidden = model.forward(input_ids, positions, meta, kv)
     rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=device)

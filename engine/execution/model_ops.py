@@ -16,6 +16,14 @@ with FP8 matrices (engine/execution/fp8_weight.py), kernels/fp8_linear.py.
 
 A decode step on CudaOps reads nothing on the host and allocates only torch
 intermediates, so it can be captured into a CUDA graph (engine/execution/cuda_graphs.py).
+
+Batch-invariant mode (--deterministic): CudaOps(deterministic=True) runs
+every bf16 projection, lm_head included, through the skinny kernel's
+batch-invariant form (kernels/skinny_gemm.py skinny_linear_rows) and all
+attention through the decode kernel with one split, so each token's row has
+one reduction order whatever shares its step; every step is laid out as
+decode rows (engine/execution/step_inputs.py). Elsewhere RowwiseOps
+(engine/execution/rowwise_ops.py) runs the reference a row at a time.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from kernels.gated_rope_cache import gated_rope_and_cache, rotary_dim_supported,
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rope_cache import rope_and_cache
 from kernels.shared_expert import combine_supported, shared_expert_combine
-from kernels.skinny_gemm import skinny_linear, skinny_linear_supported
+from kernels.skinny_gemm import skinny_linear, skinny_linear_rows, skinny_linear_supported
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -60,6 +68,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class ReferenceOps:
     name = "reference"
+    # Batch-invariant (--deterministic): every row computed alone, as a decode row.
+    deterministic = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Fp8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -205,8 +215,11 @@ class CudaOps(ReferenceOps):
     name = "cuda"
 
     def __init__(self, config: ModelConfig, device: torch.device, decode_batch: int,
-                 max_seq_len: int, quant_scratch_elements: int = 0) -> None:
+                 max_seq_len: int, quant_scratch_elements: int = 0,
+                 deterministic: bool = False) -> None:
+        """deterministic: batch-invariant mode (the module's docstring)."""
         self.device = device
+        self.deterministic = deterministic
         # Where packed GGUF matrices are dequantized for many-row steps
         # (kernels/gguf_quant.py), shared by every layer, allocated before
         # any graph is captured; a larger matrix goes through it in chunks.
@@ -216,8 +229,10 @@ class CudaOps(ReferenceOps):
             if quant_scratch_elements else None)
         self.decode_batch = decode_batch
         self.max_seq_len = max_seq_len
-        self.workspace = decode_workspace(decode_batch, config.num_heads, config.head_dim,
-                                          max_seq_len, device)
+        # One split per row in batch-invariant mode: no partials to hold.
+        self.workspace = (None if deterministic else
+                          decode_workspace(decode_batch, config.num_heads, config.head_dim,
+                                           max_seq_len, device))
         # The expert GEMV's activations, allocated before any graph is captured.
         self.moe_workspace = (moe.moe_gemv_workspace(MOE_GEMV_MAX_PAIRS,
                                                      config.moe.intermediate_size, device)
@@ -230,7 +245,8 @@ class CudaOps(ReferenceOps):
             device=device, dtype=torch.bfloat16).view(1, config.head_dim)
 
     def workspace_bytes(self) -> int:
-        tensors = [t for t in vars(self.workspace).values() if isinstance(t, torch.Tensor)]
+        held = vars(self.workspace) if self.workspace is not None else {}
+        tensors = [t for t in held.values() if isinstance(t, torch.Tensor)]
         if self.moe_workspace is not None:
             tensors.append(self.moe_workspace)
         tensors += self.staged_experts or ()
@@ -244,12 +260,24 @@ class CudaOps(ReferenceOps):
             return self._quantized_linear(x, weight, bias)
         if isinstance(weight, Fp8Weight):
             return self._fp8_linear(x, weight, bias)
+        if self.deterministic:
+            return self._invariant_linear(x, weight, bias)
         # NOTE: for a few rows (decode) cuBLAS streams the smaller matrices at
         # 8-50% of the copy rate (bench_skinny_gemm.py); our kernel beats it
         # there. Larger batches and larger matrices stay with cuBLAS.
         if skinny_linear_supported(x, weight) and _skinny_wins(x.shape[0], weight.numel()):
             return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _invariant_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ weight^T with each row's bits independent of M (any M:
+        prefill chunks, decode batches, lm_head rows)."""
+        if x.shape[0] == 0:
+            return x.new_empty((0, weight.shape[0]))
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)
+        return skinny_linear_rows(x, weight, bias)
 
     def _quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
                           bias: torch.Tensor | None) -> torch.Tensor:
@@ -369,6 +397,8 @@ class CudaOps(ReferenceOps):
         Either reads a bf16 or an fp8 cache (scaled by K_SCALE, V_SCALE)."""
         k_cache, v_cache = kv_cache
         scale = config.head_dim**-0.5
+        if self.deterministic:
+            return self._invariant_attention(config, q, kv_cache, meta)
         if meta.max_query_len == 1:
             out = paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
@@ -378,6 +408,26 @@ class CudaOps(ReferenceOps):
             out = paged_prefill_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, meta.max_query_len, k_scale=K_SCALE, v_scale=V_SCALE,
+            )
+        return out.view(q.shape[0], config.q_size)
+
+    def _invariant_attention(self, config: ModelConfig, q: torch.Tensor, kv_cache: KVCache,
+                             meta: AttentionMetadata) -> torch.Tensor:
+        """Every token a decode row (step_inputs.as_decode_rows), one split:
+        a CTA per (row, kv head) walks the row's context in one fixed order,
+        whatever the batch, the graph's context bucket or the phase."""
+        if meta.max_query_len != 1:
+            raise RuntimeError("batch-invariant ops need every token as its own attention row "
+                               "(step_inputs.as_decode_rows)")
+        k_cache, v_cache = kv_cache
+        out = torch.empty_like(q)
+        # The grid's z dimension holds at most _MAX_GRID_ROWS rows a launch.
+        for first in range(0, q.shape[0], _MAX_GRID_ROWS):
+            rows = slice(first, first + _MAX_GRID_ROWS)
+            paged_decode_attention(
+                q[rows], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
+                config.head_dim**-0.5, meta.max_seq_len, None, out[rows], k_scale=K_SCALE,
+                v_scale=V_SCALE, num_splits=1,
             )
         return out.view(q.shape[0], config.q_size)
 
@@ -549,19 +599,28 @@ def _skinny_wins(rows: int, weight_elements: int) -> bool:
 QUANT_SCRATCH_MAX_ELEMENTS = 64 << 20
 # An FP8 segment is cut for the scratch at multiples of its scale blocks' rows.
 FP8_CHUNK_ROWS = 128
+# The decode kernel's grid holds this many rows (its z dimension) a launch.
+_MAX_GRID_ROWS = 65535
 
 REFERENCE_OPS = ReferenceOps()
 
 
 def make_ops(config: ModelConfig, device: torch.device, *, use_kernels: bool, max_batch: int,
-             max_context: int, model: nn.Module | None = None) -> ReferenceOps:
+             max_context: int, model: nn.Module | None = None,
+             deterministic: bool = False) -> ReferenceOps:
     """The ops a model runs: our kernels (their decode workspace sized for
     max_batch rows and max_context tokens, their dequantization scratch for
-    model's largest packed matrix) or the torch reference."""
+    model's largest packed matrix) or the torch reference; deterministic:
+    their batch-invariant forms (--deterministic)."""
     if not use_kernels:
+        if deterministic:
+            # Imported here: rowwise_ops builds on this module's ReferenceOps.
+            from engine.execution.rowwise_ops import ROWWISE_OPS
+            return ROWWISE_OPS
         return REFERENCE_OPS
     scratch = largest_quantized_elements(model) if model is not None else 0
-    return CudaOps(config, device, max_batch, max_context, quant_scratch_elements=scratch)
+    return CudaOps(config, device, max_batch, max_context, quant_scratch_elements=scratch,
+                   deterministic=deterministic)
 
 
 # Head sizes the attention and RoPE kernels are built for (256: Qwen3-Next's

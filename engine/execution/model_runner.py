@@ -91,6 +91,7 @@ class ModelRunner:
         expert_cache_bytes: int = 0,
         keep_hidden: bool = False,
         kv_dtype: torch.dtype | None = None,
+        deterministic: bool = False,
     ):
         """Everything a step needs, built at once: the model's ops, a KV pool
         of num_pages pages and, with cuda_graph, the decode graphs.
@@ -106,7 +107,9 @@ class ModelRunner:
         KV pool's element type (None: dtype; torch.float8_e4m3fn for
         --kv-dtype fp8, engine/execution/kv_dtype.py); keep_hidden: every
         step's final hidden states stay readable until the next step
-        (last_hidden), for MTP drafting (set `mtp` to the drafter). The model keeps
+        (last_hidden), for MTP drafting (set `mtp` to the drafter);
+        deterministic: batch-invariant mode, every step laid out as decode
+        rows on the batch-invariant ops (model_ops.py). The model keeps
         the kernel ops it was given (bootstrap sets them before measuring a
         step's memory, which sizes num_pages)."""
         if num_pages < 1:
@@ -129,8 +132,10 @@ class ModelRunner:
         self.max_context = max_context
         self.max_step_tokens = max_step_tokens
         self.cuda_graph = cuda_graph and use_kernels
+        self.deterministic = deterministic
         self._inputs = DeviceInputs(device)
-        if use_kernels != isinstance(self.model.ops, CudaOps):
+        if (use_kernels != isinstance(self.model.ops, CudaOps)
+                or deterministic != self.model.ops.deterministic):
             self.model.ops = self._make_ops()
         self.kv_caches = self._allocate_kv()
         # A hybrid model's recurrent state (attached by bootstrap before the
@@ -171,7 +176,7 @@ class ModelRunner:
     def _make_ops(self) -> ReferenceOps:
         return make_ops(self.config, self.device, use_kernels=self.use_kernels,
                         max_batch=self.decode_rows, max_context=self.max_context,
-                        model=self.model)
+                        model=self.model, deterministic=self.deterministic)
 
     def _make_expert_cache(self) -> ExpertCache | None:
         if not (self.use_kernels and self.expert_cache_bytes):
@@ -201,13 +206,17 @@ class ModelRunner:
             return 0.0
         started = time.perf_counter()
         # torch.cuda.graph empties the allocator's cache when a capture
-        # begins: emptied here first, the reserved bytes' growth is the
-        # graphs' pool alone (not the pool less blocks cached before).
+        # begins: emptied here first, blocks cached before it are not
+        # subtracted from the graphs' pool. (The tiny Qwen3-VL test model
+        # still reads a negative pool on the H200: something alive here is
+        # freed during capture; not found yet.)
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
                   if self.cuda_graph else None)
-        chunk_tokens = chunk_graph_tokens(self.max_step_tokens)
+        # Batch-invariant mode lays every step out as decode rows: the decode
+        # graphs serve those that fit, the rest run eagerly.
+        chunk_tokens = 0 if self.deterministic else chunk_graph_tokens(self.max_step_tokens)
         if self.keep_hidden:
             self.hidden_out = torch.empty((max(self.decode_rows, chunk_tokens),
                                            self.config.hidden_size),
@@ -394,7 +403,8 @@ class ModelRunner:
 
     def _forward_step(self, out: SchedulerOutput,
                       draft_masks: Callable[[], TokenMask | None] | None) -> StepForward:
-        inputs = build_step_inputs(out, self.page_size, self.decode_rows)
+        inputs = build_step_inputs(out, self.page_size, self.decode_rows,
+                                   every_token_a_row=self.deterministic)
         embedding = [(index, chunk) for index, chunk in enumerate(out.chunks)
                      if chunk.seq.params.pooling is not None]
         if (not embedding and not inputs.draft_rows
@@ -415,7 +425,7 @@ class ModelRunner:
             if chunk.scored is None:
                 continue
             first, last = chunk.scored
-            row = int(inputs.query_start_loc[index]) + first - chunk.start
+            row = int(inputs.chunk_starts[index]) + first - chunk.start
             targets = chunk.seq.token_ids[first + 1 : last + 1]
             # Logits a lane's worth of rows at a time: what the step's memory
             # was measured with (engine/execution/gpu_memory.py).

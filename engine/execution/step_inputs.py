@@ -9,6 +9,7 @@ staging buffers, so each copy to the device is one asynchronous DMA.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,15 @@ class StepInputs:
     # need multimodal RoPE's three positions and, at image tokens, the vision
     # tower's embeddings (ModelRunner builds them; such a step runs eagerly).
     media_chunks: list[MediaChunk] = field(default_factory=list)
+    # Where the step is laid out as decode rows (a verify step, or any step in
+    # batch-invariant mode), query_start_loc bounds single tokens; this keeps
+    # each scheduled chunk's flat rows (int32 [chunks + 1]). None: the same.
+    chunk_start_loc: np.ndarray | None = None
+
+    @property
+    def chunk_starts(self) -> np.ndarray:
+        """int32 [chunks + 1]: the flat rows of each scheduled chunk."""
+        return self.query_start_loc if self.chunk_start_loc is None else self.chunk_start_loc
 
     @property
     def num_seqs(self) -> int:
@@ -91,11 +101,14 @@ def slots_of(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray,
     return pages * page_size + positions % page_size
 
 
-def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0,
+                      every_token_a_row: bool = False) -> StepInputs:
     """The step's flat batch. A verify step (drafts, and otherwise decode
     rows only) of at most decode_rows tokens is laid out as decode rows:
     each token its own attention row over its sequence's pages, with the
-    context up to itself (see _as_decode_rows)."""
+    context up to itself (see _as_decode_rows); with every_token_a_row
+    (batch-invariant mode) every step is, prompt chunks included, so a
+    prompt token is computed exactly as a decode step computes it."""
     chunks = out.chunks
     num_seqs = len(chunks)
     counts = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -147,10 +160,16 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
     recomputed = [state_slots is not None and chunk.num_tokens > 1 and not chunk.draft
                   and chunk.scored is None and chunk.seq.num_output_tokens > 0
                   for chunk in chunks]
+    chunk_start = None
     if (draft_rows or any(recomputed)) and len(input_ids) <= decode_rows and all(
             chunk.num_tokens == 1 or chunk.draft or again
             for chunk, again in zip(chunks, recomputed, strict=True)):
         state_query_start = query_start if state_slots is not None else None
+        chunk_start = query_start
+        query_start, seq_lens, block_tables = _as_decode_rows(positions, block_tables,
+                                                              row_of_token)
+    elif every_token_a_row and len(input_ids) > num_seqs:
+        chunk_start = query_start
         query_start, seq_lens, block_tables = _as_decode_rows(positions, block_tables,
                                                               row_of_token)
     media_chunks: list[MediaChunk] = []
@@ -172,7 +191,21 @@ def build_step_inputs(out: SchedulerOutput, page_size: int, decode_rows: int = 0
         state_fresh=state_fresh,
         state_query_start_loc=state_query_start,
         media_chunks=media_chunks,
+        chunk_start_loc=chunk_start,
     )
+
+
+def as_decode_rows(inputs: StepInputs) -> StepInputs:
+    """inputs with every token its own attention row (batch-invariant mode;
+    a step built without build_step_inputs, such as the memory profile's)."""
+    if inputs.is_decode:
+        return inputs
+    counts = np.diff(inputs.query_start_loc)
+    row_of_token = np.repeat(np.arange(len(counts)), counts)
+    query_start, seq_lens, block_tables = _as_decode_rows(inputs.positions, inputs.block_tables,
+                                                          row_of_token)
+    return dataclasses.replace(inputs, query_start_loc=query_start, seq_lens=seq_lens,
+                               block_tables=block_tables, chunk_start_loc=inputs.query_start_loc)
 
 
 def _multimodal_positions(chunks: list[ScheduledChunk], positions: np.ndarray,

@@ -320,7 +320,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> float32 [N, vocab_size]."""
-        if isinstance(self.lm_head, (QuantizedWeight, Fp8Weight)):
+        # Batch-invariant ops (--deterministic) compute each row's logits alone too.
+        if isinstance(self.lm_head, (QuantizedWeight, Fp8Weight)) or self.ops.deterministic:
             return self.ops.linear(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 

@@ -35,6 +35,7 @@ from engine.kv.state_checkpoints import StateCheckpoints
 from engine.loader import LoadedModel, load_model
 from engine.loader.pooling import choose_pooling
 from engine.loader.vocabulary import check_same_vocabulary
+from engine.process.deterministic_setup import log_mode, refuse_unsupported
 from engine.process.recurrent_setup import (
     attach_recurrent_state,
     share_host_tier,
@@ -127,14 +128,18 @@ def assemble_engine(
         raise ValueError("host-resident experts (--expert-residency host, --n-cpu-moe) are read "
                          "by our CUDA kernels, which need CuPy and bfloat16: install "
                          "'roundhouse[cuda13]' (or [cuda12]) and serve in bfloat16")
-    sampler = Sampler(device, config.seed, use_kernel=use_kernels)
+    if config.deterministic:
+        refuse_unsupported(loaded, use_kernels)
+        log_mode(use_kernels)
+    sampler = Sampler(device, config.seed, use_kernel=use_kernels,
+                      deterministic=config.deterministic)
     served_context = config.max_context or model.max_position_embeddings
     # The ops first: the step whose memory sizes the KV pool runs on them.
     decode_rows = decode_row_capacity(config.max_concurrency,
                                       config.draft_tokens if config.spec != "none" else 0)
     loaded.model.ops = make_ops(model, device, use_kernels=use_kernels,
                                 max_batch=decode_rows, max_context=served_context,
-                                model=loaded.model)
+                                model=loaded.model, deterministic=config.deterministic)
     state_pools = attach_recurrent_state(loaded, config, device, dtype)
     # Before the step's memory is measured: the tower's weights are on the device.
     vision = _load_vision(config, model_path, loaded, device, dtype)
@@ -156,12 +161,15 @@ def assemble_engine(
                          "on the CPU every expert is in host memory already: drop the option")
     budget = None
     cuda_graph = config.cuda_graph and use_kernels
+    # Batch-invariant mode captures no graphs of prompt chunks (model_runner.py).
+    chunk_tokens = (chunk_graph_tokens(config.max_batched_tokens)
+                    if cuda_graph and not config.deterministic else 0)
     if device.type == "cuda":
         progress(1.0, "measuring the largest step's memory")
         peaks = profile_step_peaks(
             loaded.model, sampler, max_batched_tokens=config.max_batched_tokens,
             max_batch=config.max_concurrency, page_size=config.page_size, device=device,
-            chunk_graph_tokens=chunk_graph_tokens(config.max_batched_tokens) if cuda_graph else 0,
+            chunk_graph_tokens=chunk_tokens,
         )
         if vision is not None:
             progress(1.0, "measuring the vision tower's memory")
@@ -205,7 +213,7 @@ def assemble_engine(
         max_step_tokens=config.max_batched_tokens, cuda_graph=cuda_graph,
         host_kv_slots=host_plan.num_slots, decode_rows=decode_rows,
         expert_cache_bytes=expert_cache_bytes if use_kernels else 0, kv_dtype=kv_dtype,
-        keep_hidden=isinstance(drafter, MTPDrafter),
+        keep_hidden=isinstance(drafter, MTPDrafter), deterministic=config.deterministic,
     )
     runner.vision = vision
     if isinstance(drafter, MTPDrafter):
@@ -240,6 +248,9 @@ def assemble_engine(
         str(model_path.resolve()), os.path.getmtime(model_path), str(dtype), plan.page_size,
         # Named only when it differs, so bf16 pools keep the hashes they had.
         *(() if kv_dtype == dtype else (str(kv_dtype),)),
+        # Pages another mode computed (the disk tier outlives the engine) hold
+        # K/V of other arithmetic: never a hit in batch-invariant mode.
+        *(("deterministic",) if config.deterministic else ()),
     )
     host_tier = (HostTier(host_plan.num_slots, plan.page_size, host_plan.page_bytes)
                  if host_plan.num_slots else None)

@@ -41,9 +41,14 @@ if TYPE_CHECKING:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, use_kernel: bool = False):
+    def __init__(self, device: torch.device, seed: int = 0, use_kernel: bool = False,
+                 deterministic: bool = False):
+        """deterministic (--deterministic): the reference path cuts and draws
+        each sampled row on its own, so no torch op sees the other rows (the
+        kernel's blocks are per row already)."""
         self.device = device
         self.use_kernel = use_kernel
+        self.deterministic = deterministic
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
@@ -212,6 +217,9 @@ class Sampler:
         return final
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if self.deterministic and len(seqs) > 1:
+            return torch.cat([self._draw(logits[row:row + 1].clone(), [seq])
+                              for row, seq in enumerate(seqs)])
         cut = self._cut(logits, seqs)
         probs = cut.probs.masked_fill(cut.drop, 0.0)
         picks = torch.empty(len(seqs), dtype=torch.long, device=logits.device)

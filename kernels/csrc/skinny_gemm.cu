@@ -1,5 +1,8 @@
 // Skinny GEMM for decode steps: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]),
-// M = 1..8, bf16 in and out, float32 accumulation.
+// M = 1..8, bf16 in and out, float32 accumulation. The skinny_rows kernels
+// at the end are its batch-invariant form (--deterministic): any M, in
+// chunks of up to 64 rows, each row computed with the arithmetic it gets
+// alone (the body's comment says why).
 //
 // The op is memory-bound: each weight element is read once from HBM and used
 // for all M rows; x (at most 8 x K bf16) stays in L1/L2. The multiplications
@@ -100,29 +103,39 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], unsigned a_lo, unsigne
         : "r"(a_lo), "r"(0u), "r"(a_hi), "r"(0u), "r"(b_lo), "r"(b_hi));
 }
 
-// One CTA: rows [blockIdx.x * 8 * RG, + 8 * RG) of the output columns, all M
-// x rows. blockDim.x = 32 * W, W <= 32 (RG = 1) or 8 (RG = 2);
-// steps = ceil(K / 128).
-template <int M, int RG>
+// One CTA: output columns [cta * 8 * RG, + 8 * RG) for the x rows row0 +
+// [0, 8 * TILES) that are < m_rows. blockDim.x = 32 * W: W <= 32 for the
+// decode kernels' RG = 1, else <= 8; steps = ceil(K / 128).
+//
+// TILES 8-row tiles of x share each weight fragment while it is in
+// registers (the weight is read once for 8 * TILES rows). The arithmetic of
+// one output element does not depend on TILES, RG, m_rows or the other x
+// rows: its accumulators are its own (the mma's D[i][j] reads only row i of
+// A and column j of B, and rows of x sit at the same row g of every mma),
+// each chain takes the same pieces in the same order, and the warps' partials
+// are summed in warp order. Only W and steps (the K split) shape it.
+template <int RG, int TILES>
 __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out,
                                                  const __nv_bfloat16* __restrict__ x,
                                                  const __nv_bfloat16* __restrict__ weight,
                                                  const __nv_bfloat16* __restrict__ bias,
-                                                 int n_rows, int k, int steps) {
-    // Most warps per CTA: 32 for one row group (1024 threads), 8 for two.
-    constexpr int kMaxWarps = RG == 1 ? 32 : 8;
-    __shared__ float2 partial[kMaxWarps][RG][32];
+                                                 int n_rows, int k, int steps, int m_rows,
+                                                 int cta, int row0) {
+    // Most warps per CTA: 32 for one row group of one tile (1024 threads), else 8.
+    constexpr int kMaxWarps = RG == 1 && TILES == 1 ? 32 : 8;
+    __shared__ float2 partial[kMaxWarps][RG][TILES][32];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int n0 = blockIdx.x * (8 * RG);
+    const int n0 = cta * (8 * RG);
     const unsigned long long policy = evict_first_policy();
 
-    // Thread (g, t)'s weight rows n0 + 8 rg + g and x row g, at its 16-byte
-    // slot 8 t of each 32-element piece. Rows past the end read nothing.
+    // Thread (g, t)'s weight rows n0 + 8 rg + g and x rows row0 + 8 tile + g,
+    // at its 16-byte slot 8 t of each 32-element piece. Rows past the end
+    // read nothing.
     const __nv_bfloat16* w_row[RG];
     bool w_valid[RG];
 #pragma unroll
@@ -131,8 +144,14 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
         w_valid[rg] = row < n_rows;
         w_row[rg] = weight + static_cast<long long>(w_valid[rg] ? row : 0) * k + 8 * t;
     }
-    const bool x_valid = g < M;
-    const __nv_bfloat16* x_row = x + static_cast<long long>(x_valid ? g : 0) * k + 8 * t;
+    const __nv_bfloat16* x_row[TILES];
+    bool x_valid[TILES];
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile) {
+        const int row = row0 + 8 * tile + g;
+        x_valid[tile] = row < m_rows;
+        x_row[tile] = x + static_cast<long long>(x_valid[tile] ? row : 0) * k + 8 * t;
+    }
 
     // This warp's next step goes into L2 while it waits for the current one
     // (no registers held): lane l prefetches 128-byte line l & 1 of the
@@ -143,15 +162,18 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
     const __nv_bfloat16* prefetch_ptr =
         weight + static_cast<long long>(prefetch_lane ? prefetch_row : 0) * k + prefetch_k;
 
-    // Two accumulator chains per row group (even and odd pieces), so that
-    // consecutive mmas do not wait on each other's results.
-    float acc[RG][2][4];
+    // Two accumulator chains per tile and row group (even and odd pieces), so
+    // that consecutive mmas do not wait on each other's results.
+    float acc[TILES][RG][2][4];
 #pragma unroll
-    for (int rg = 0; rg < RG; ++rg) {
+    for (int tile = 0; tile < TILES; ++tile) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int rg = 0; rg < RG; ++rg) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[rg][c][i] = 0.0f;
+            for (int c = 0; c < 2; ++c) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[tile][rg][c][i] = 0.0f;
+            }
         }
     }
 
@@ -164,7 +186,6 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
         }
         // All of the step's weight loads first (HBM latency), then x (L1/L2).
         uint4 w[RG][kPieces];
-        uint4 xv[kPieces];
 #pragma unroll
         for (int j = 0; j < kPieces; ++j) {
             const int offset = k0 + 32 * j;
@@ -175,58 +196,71 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
             }
         }
 #pragma unroll
-        for (int j = 0; j < kPieces; ++j) {
-            const int offset = k0 + 32 * j;
-            xv[j] = load_x(x_row + offset, x_valid && offset + 8 * t < k);
-        }
+        for (int tile = 0; tile < TILES; ++tile) {
+            uint4 xv[kPieces];
 #pragma unroll
-        for (int j = 0; j < kPieces; ++j) {
+            for (int j = 0; j < kPieces; ++j) {
+                const int offset = k0 + 32 * j;
+                xv[j] = load_x(x_row[tile] + offset, x_valid[tile] && offset + 8 * t < k);
+            }
 #pragma unroll
-            for (int rg = 0; rg < RG; ++rg) {
-                mma_step(acc[rg][j & 1], xv[j].x, xv[j].y, w[rg][j].x, w[rg][j].y);
-                mma_step(acc[rg][j & 1], xv[j].z, xv[j].w, w[rg][j].z, w[rg][j].w);
+            for (int j = 0; j < kPieces; ++j) {
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg) {
+                    mma_step(acc[tile][rg][j & 1], xv[j].x, xv[j].y, w[rg][j].x, w[rg][j].y);
+                    mma_step(acc[tile][rg][j & 1], xv[j].z, xv[j].w, w[rg][j].z, w[rg][j].w);
+                }
             }
         }
     }
 
-    // acc[rg][.][0..1] = this warp's partial out[g][n0 + 8 rg + 2t + 0..1].
+    // acc[tile][rg][.][0..1] = this warp's partial out[row0 + 8 tile + g][n0 + 8 rg + 2t + 0..1].
 #pragma unroll
-    for (int rg = 0; rg < RG; ++rg) {
-        partial[warp][rg][lane] =
-            make_float2(acc[rg][0][0] + acc[rg][1][0], acc[rg][0][1] + acc[rg][1][1]);
+    for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+        for (int rg = 0; rg < RG; ++rg) {
+            partial[warp][rg][tile][lane] =
+                make_float2(acc[tile][rg][0][0] + acc[tile][rg][1][0],
+                            acc[tile][rg][0][1] + acc[tile][rg][1][1]);
+        }
     }
     __syncthreads();
 
-    if (threadIdx.x >= RG * 32) return;
-    const int rg = threadIdx.x >> 5;
-    const int m = g;  // threadIdx.x < RG * 32: same lane decomposition as above
-    if (m >= M) return;
-    const int n = n0 + 8 * rg + 2 * t;
-    if (n >= n_rows) return;
-    float2 sum = partial[0][rg][lane];
-    for (int other = 1; other < warps; ++other) {
-        const float2 p = partial[other][rg][lane];
-        sum.x += p.x;
-        sum.y += p.y;
-    }
-    const bool pair = n + 1 < n_rows;
-    if (bias != nullptr) {
-        sum.x += __bfloat162float(bias[n]);
-        if (pair) sum.y += __bfloat162float(bias[n + 1]);
-    }
-    __nv_bfloat16* dst = out + static_cast<long long>(m) * n_rows + n;
-    if (pair && (reinterpret_cast<unsigned long long>(dst) & 3) == 0) {
-        *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(sum.x, sum.y);
-    } else {
-        dst[0] = __float2bfloat16_rn(sum.x);
-        if (pair) dst[1] = __float2bfloat16_rn(sum.y);
+    // One thread per (row group, tile, lane), looping when the CTA has fewer
+    // threads than that (a short K gives few warps).
+    for (int item = threadIdx.x; item < RG * TILES * 32; item += blockDim.x) {
+        const int slot = item & 31;
+        const int rg = (item >> 5) / TILES;
+        const int tile = (item >> 5) % TILES;
+        const int m = row0 + 8 * tile + (slot >> 2);
+        const int n = n0 + 8 * rg + 2 * (slot & 3);
+        if (m >= m_rows || n >= n_rows) continue;
+        float2 sum = partial[0][rg][tile][slot];
+        for (int other = 1; other < warps; ++other) {
+            const float2 p = partial[other][rg][tile][slot];
+            sum.x += p.x;
+            sum.y += p.y;
+        }
+        const bool pair = n + 1 < n_rows;
+        if (bias != nullptr) {
+            sum.x += __bfloat162float(bias[n]);
+            if (pair) sum.y += __bfloat162float(bias[n + 1]);
+        }
+        __nv_bfloat16* dst = out + static_cast<long long>(m) * n_rows + n;
+        if (pair && (reinterpret_cast<unsigned long long>(dst) & 3) == 0) {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(sum.x, sum.y);
+        } else {
+            dst[0] = __float2bfloat16_rn(sum.x);
+            if (pair) dst[1] = __float2bfloat16_rn(sum.y);
+        }
     }
 }
 
 }  // namespace
 
-// RG = 1: up to 32 warps per CTA (few rows, long K); RG = 2: up to 8 warps,
-// at most 80 registers so that 3 CTAs of 256 threads fit on an SM.
+// The decode kernels: M = 1..8 x rows (one tile). RG = 1: up to 32 warps per
+// CTA (few rows, long K); RG = 2: up to 8 warps, at most 80 registers so that
+// 3 CTAs of 256 threads fit on an SM.
 #define SKINNY_GEMM_KERNEL(M, RG, THREADS, MIN_BLOCKS)                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                      \
         skinny_gemm_m##M##_rg##RG(__nv_bfloat16* __restrict__ out,                         \
@@ -234,7 +268,7 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
                                   const __nv_bfloat16* __restrict__ weight,                \
                                   const __nv_bfloat16* __restrict__ bias, int n_rows, int k, \
                                   int steps) {                                             \
-        skinny_gemm_body<M, RG>(out, x, weight, bias, n_rows, k, steps);                   \
+        skinny_gemm_body<RG, 1>(out, x, weight, bias, n_rows, k, steps, M, blockIdx.x, 0);  \
     }
 
 #define SKINNY_GEMM_KERNELS(M)             \
@@ -249,3 +283,32 @@ SKINNY_GEMM_KERNELS(5)
 SKINNY_GEMM_KERNELS(6)
 SKINNY_GEMM_KERNELS(7)
 SKINNY_GEMM_KERNELS(8)
+
+// The batch-invariant kernels (--deterministic): any number of x rows, in
+// chunks of 8 * T (T tiles of 8 rows), at most 8 warps per CTA. CTAs are
+// ordered so that `group_chunks` chunks in turn take each CTA's weight rows
+// (blockIdx.x = (group, cta, chunk in group)): those chunks' x stays in L2
+// while the weight streams through once per group. Grid: ctas * chunks.
+#define SKINNY_ROWS_KERNEL(T, RG, MIN_BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) skinny_rows_t##T##_rg##RG( \
+        __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,                \
+        const __nv_bfloat16* __restrict__ weight, const __nv_bfloat16* __restrict__ bias,    \
+        int n_rows, int k, int steps, int m_rows, int chunks, int group_chunks) {           \
+        const int ctas = static_cast<int>(gridDim.x) / chunks;                               \
+        const int group = static_cast<int>(blockIdx.x) / (group_chunks * ctas);              \
+        const int first = group * group_chunks;                                              \
+        const int in_group = min(group_chunks, chunks - first);                              \
+        const int rest = static_cast<int>(blockIdx.x) - first * ctas;                        \
+        const int chunk = first + rest % in_group;                                           \
+        skinny_gemm_body<RG, T>(out, x, weight, bias, n_rows, k, steps, m_rows,             \
+                                rest / in_group, chunk * 8 * T);                             \
+    }
+
+SKINNY_ROWS_KERNEL(1, 1, 3)
+SKINNY_ROWS_KERNEL(1, 2, 3)
+SKINNY_ROWS_KERNEL(2, 1, 3)
+SKINNY_ROWS_KERNEL(2, 2, 2)
+SKINNY_ROWS_KERNEL(4, 1, 2)
+SKINNY_ROWS_KERNEL(4, 2, 1)
+SKINNY_ROWS_KERNEL(8, 1, 2)
+SKINNY_ROWS_KERNEL(8, 2, 1)

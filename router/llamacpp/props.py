@@ -92,6 +92,8 @@ def model_props(manager: ModelManager, slot: ModelSlot, text: ModelText) -> dict
         "cuda_kernels": manager.cuda_kernels,
         # Ours: whether POST /rerank is served with this model (--reranking).
         "reranking": slot.entry.settings.reranking,
+        # Ours: whether the model runs batch-invariant (--deterministic).
+        "deterministic": slot.entry.settings.engine.deterministic,
         # Ours: what the model serves (router/capabilities.py).
         "capabilities": model_capabilities(slot.entry.settings),
     }

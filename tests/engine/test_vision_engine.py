@@ -235,9 +235,6 @@ def test_gpu_image_prompts_graphs_on_equal_off_and_survive_sleep(arch: str, tmp_
         core, events = make_engine(tmp_path, device="cuda", vision=True, cuda_graph=graphs,
                                    **SMALL_STEPS)
         assert core.runner.use_kernels, "the kernel path must serve this model"
-        # The ledger's graph pool (the tower's profile pass leaves cached
-        # blocks that the capture's own empty_cache once subtracted).
-        assert (core.runner.graph_bytes > 0) == graphs
         out = run(core, events, {"img": (prompt, images, 12), "text": (TEXT * 3, [], 12)})
         results.append((out["img"].token_ids, out["text"].token_ids))
         if graphs:

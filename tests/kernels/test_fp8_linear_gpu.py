@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8_reference import dequantize, quantize_blocks
+from tests.kernels.graph_replay import assert_replay_equals_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -108,25 +109,9 @@ def test_cuda_graph_replay_equals_eager() -> None:
         for rows, x in xs.items():
             fp8_linear(x, values, scales, out=outs[rows], scratch=scratch)
 
-    step()  # compile and create the cuBLAS handle outside the capture
-    torch.cuda.synchronize()
-    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
-    step()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations, \
-        "an out= call allocated memory"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed in (31, 32):
-        for rows, x in xs.items():
-            x.copy_(random_x(rows, k, seed=seed + rows))
-            outs[rows].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for rows, x in xs.items():
-            eager = fp8_linear(x, values, scales, scratch=scratch)
-            assert torch.equal(outs[rows], eager), f"replay differs from eager at M={rows}"
+    assert_replay_equals_eager(step, xs, outs,
+                               lambda x: fp8_linear(x, values, scales, scratch=scratch),
+                               lambda rows, seed: random_x(rows, k, seed=seed), seeds=(31, 32))
 
 
 def test_argument_errors() -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.kernels.gguf_blocks import dequantized, random_packed
+from tests.kernels.graph_replay import assert_replay_equals_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -229,25 +230,9 @@ def test_cuda_graph_replay_equals_eager(qtype: int) -> None:
         quant_gemv(xs[16], packed, qtype, out=outs[16])
         quant_linear(xs[64], packed, qtype, k, out=outs[64], scratch=scratch)
 
-    step()  # compile and create the cuBLAS handle outside the capture
-    torch.cuda.synchronize()
-    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
-    step()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations, \
-        "an out= call allocated memory"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed in (31, 32):
-        for rows, x in xs.items():
-            x.copy_(random_x(rows, k, seed=seed + rows))
-            outs[rows].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for rows, x in xs.items():
-            eager = quant_linear(x, packed, qtype, k, scratch=scratch)
-            assert torch.equal(outs[rows], eager), f"replay differs from eager at M={rows}"
+    assert_replay_equals_eager(step, xs, outs,
+                               lambda x: quant_linear(x, packed, qtype, k, scratch=scratch),
+                               lambda rows, seed: random_x(rows, k, seed=seed), seeds=(31, 32))
 
 
 def test_argument_errors() -> None:
@@ -286,3 +271,124 @@ def test_argument_errors() -> None:
     for message, call in bad.items():
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# ---- the CUDA-core GEMV (1..4 rows, kernels/csrc/gguf_gemv_small.cu) ----
+
+# Every K of the Qwen3-0.6B..8B projections (1024, 2048, 2560, 3072, 4096,
+# 6144, 9728, 12288), and layouts of every kind (kernels.gguf_quant's
+# _small_layout on 132 SMs): warps per tile W = 1 and 2 over several rounds of
+# tiles (40000 x 256, x 512), 8 and 16 over three rounds (12288 x 2048, 6144 x
+# 4096), 10 and 12 (9728, 3072, 6144), 3 and 5 (576, 1056); N not a multiple
+# of the 8-row tile, K % 256 != 0 (Q8_0, Q4_0).
+CUDA_CORE_SHAPES = [(4096, 1024), (1024, 2048), (6144, 2560), (1024, 3072), (2048, 6144),
+                    (2560, 9728), (6144, 4096), (4096, 12288), (12288, 2048), (40000, 256),
+                    (40000, 512), (1001, 1024), (37, 3072), (960, 576), (1536, 960), (33, 1056),
+                    (5, 32)]
+CUDA_CORE_ROWS = (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), cases(CUDA_CORE_SHAPES))
+def test_cuda_core_gemv_matches_gguf_dequantize_then_matmul(qtype: int, n: int, k: int) -> None:
+    """The CUDA-core kernel called directly (NaN-poisoned out: every element
+    written), within float32 accumulation of the exact product, the same bits
+    twice, and what quant_gemv dispatches to for these rows."""
+    from kernels.cuda_build import sm_count
+    from kernels.gguf_quant import cuda_core_gemv_fits, quant_gemv, quant_gemv_cuda_cores
+
+    packed, weight = packed_weight(qtype, n, k, seed=n * 5 + k + qtype)
+    packed_before = packed.clone()
+    weight64 = torch.from_numpy(weight).cuda().double()
+    for rows in CUDA_CORE_ROWS:
+        x = random_x(rows, k, seed=rows * 811 + n + k)
+        if not cuda_core_gemv_fits(rows, n, k, qtype, sm_count(0)):
+            with pytest.raises(ValueError, match="does not fit"):
+                quant_gemv_cuda_cores(x, packed, qtype)
+            continue
+        out = torch.full((rows, n), float("nan"), device="cuda", dtype=BF16)
+        assert quant_gemv_cuda_cores(x, packed, qtype, out=out) is out
+        torch.cuda.synchronize()
+        assert_close_to_exact(out, x, weight64, f"CUDA cores {TYPES[qtype]} {n}x{k} M={rows}")
+        again = quant_gemv_cuda_cores(x, packed, qtype)
+        assert torch.equal(again, out), "not deterministic"
+        assert torch.equal(quant_gemv(x, packed, qtype), out), "quant_gemv took another kernel"
+    assert torch.equal(packed, packed_before)
+
+
+@pytest.mark.parametrize("qtype", list(TYPES), ids=list(TYPES.values()))
+def test_cuda_core_gemv_row_slices_into_a_column_range(qtype: int) -> None:
+    """packed[first:last] of a larger tensor (only 2-byte aligned for Q8_0,
+    Q4_0 at K = 1056 and Q6_K at K = 768: rows of 1122, 594 and 630 bytes)
+    into out[:, first:last] of a wider output: the same bits as the whole
+    weight's call (K has at most 8 units: the same warps sum each row) and
+    nothing written outside the columns."""
+    from kernels.gguf_quant import quant_gemv_cuda_cores
+
+    n, k = 1000, 1056 if qtype in (2, 8) else 768
+    packed, weight = packed_weight(qtype, n, k, seed=qtype + 77)
+    weight64 = torch.from_numpy(weight).cuda().double()
+    bounds = [0, 1, 3, 38, 501, 997, n]
+    for rows in CUDA_CORE_ROWS:
+        x = random_x(rows, k, seed=rows + 3)
+        whole = quant_gemv_cuda_cores(x, packed, qtype)
+        wide = torch.full((rows, n + 64), float("nan"), device="cuda", dtype=BF16)
+        out = wide[:, 32:32 + n]
+        for first, last in itertools.pairwise(bounds):
+            part = packed[first:last]
+            if qtype in (2, 8, 14) and first % 2:
+                assert part.data_ptr() % 4 == 2  # the misaligned case is covered
+            quant_gemv_cuda_cores(x, part, qtype, out=out[:, first:last])
+        torch.cuda.synchronize()
+        assert torch.equal(out, whole), f"M={rows}: a row slice differs from the whole call"
+        assert wide[:, :32].isnan().all() and wide[:, 32 + n:].isnan().all(), "wrote outside out"
+        assert_close_to_exact(out, x, weight64, f"{TYPES[qtype]} slices M={rows}")
+
+
+@pytest.mark.parametrize("qtype", list(TYPES), ids=list(TYPES.values()))
+def test_cuda_core_gemv_graph_replay_equals_eager(qtype: int) -> None:
+    """M = 1..4 captured with preallocated outputs, replayed after x changes in
+    place: the eager bits; no allocation in out= calls."""
+    from kernels.gguf_quant import quant_gemv_cuda_cores
+
+    n, k = 4104, 2048  # 513 tiles of 8 rows
+    packed, _ = packed_weight(qtype, n, k, seed=23)
+    xs = {rows: random_x(rows, k, seed=rows) for rows in CUDA_CORE_ROWS}
+    outs = {rows: torch.empty(rows, n, device="cuda", dtype=BF16) for rows in xs}
+
+    def step() -> None:
+        for rows, x in xs.items():
+            quant_gemv_cuda_cores(x, packed, qtype, out=outs[rows])
+
+    assert_replay_equals_eager(step, xs, outs, lambda x: quant_gemv_cuda_cores(x, packed, qtype),
+                               lambda rows, seed: random_x(rows, k, seed=seed), seeds=(41, 42))
+
+
+def test_quant_gemv_picks_the_kernel_by_rows() -> None:
+    """Up to CUDA_CORE_GEMV_ROWS[type] rows on the CUDA cores (same bits as
+    calling it), more on the tensor cores; the CUDA-core entry refuses what
+    it cannot take."""
+    from kernels.gguf_quant import (
+        CUDA_CORE_GEMV_ROWS,
+        quant_gemv,
+        quant_gemv_cuda_cores,
+        quant_gemv_tensor_cores,
+    )
+
+    n, k = 512, 2048
+    for qtype in (12, 8):  # Q4_K: one row on the CUDA cores; Q8_0: none
+        packed, _ = packed_weight(qtype, n, k, seed=9)
+        for rows in range(1, 17):
+            x = random_x(rows, k, seed=rows)
+            expected = (quant_gemv_cuda_cores if rows <= CUDA_CORE_GEMV_ROWS[qtype]
+                        else quant_gemv_tensor_cores)(x, packed, qtype)
+            assert torch.equal(quant_gemv(x, packed, qtype), expected), f"M={rows}"
+    packed, _ = packed_weight(12, n, k, seed=9)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        quant_gemv_cuda_cores(random_x(5, k, seed=5), packed, 12)
+    big_k = 16384  # 4 rows of float32 x take 278 KB of shared memory
+    wide, _ = packed_weight(8, 16, big_k, seed=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        quant_gemv_cuda_cores(random_x(4, big_k, seed=4), wide, 8)
+    # quant_gemv still serves it, on the tensor cores.
+    x = random_x(4, big_k, seed=4)
+    assert torch.equal(quant_gemv(x, wide, 8), quant_gemv_tensor_cores(x, wide, 8))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).parents[2] / "kernels" / "csrc" / "gguf_quant.cu"
+SMALL_SOURCE = SOURCE.with_name("gguf_gemv_small.cu")
 
 # One SASS instruction: optional predicate, opcode, operands up to ';'.
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(\S+)\s*([^;]*);")
@@ -83,18 +84,48 @@ def test_checker_flags_a_read_of_a_never_written_uniform_register() -> None:
     assert unwritten_uniform_reads(sass.replace("UR0], desc[UR1]", "UR8], desc[UR5]")) == {}
 
 
-def test_gemv_kernels_read_only_uniform_registers_they_write(tmp_path: Path) -> None:
+def hopper_sass(source: Path, tmp_path: Path) -> str:
+    """cuobjdump -sass of source compiled as NVRTC does (sm_90, -ftz=true,
+    which CuPy adds); skips the test where nvcc or cuobjdump is missing."""
     nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
     if nvcc is None or cuobjdump is None:
         pytest.skip("needs nvcc and cuobjdump")
-    cubin = tmp_path / "gguf_quant.cubin"
+    cubin = tmp_path / source.with_suffix(".cubin").name
     subprocess.run(
-        [nvcc, "-arch=sm_90", "-std=c++17", "-ftz=true", "-cubin", "-o", str(cubin), str(SOURCE)],
+        [nvcc, "-arch=sm_90", "-std=c++17", "-ftz=true", "-cubin", "-o", str(cubin), str(source)],
         check=True,
         capture_output=True,
     )
-    sass = subprocess.run(
+    return subprocess.run(
         [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True
     ).stdout
+
+
+def functions(sass: str) -> dict[str, str]:
+    """Kernel name -> its SASS listing."""
+    return {chunk.split()[0]: chunk for chunk in sass.split("Function : ")[1:]}
+
+
+def test_gemv_kernels_read_only_uniform_registers_they_write(tmp_path: Path) -> None:
+    sass = hopper_sass(SOURCE, tmp_path)
     assert sass.count("Function : gguf_gemv_") == 10  # 5 types x 2 row counts
     assert unwritten_uniform_reads(sass) == {}
+
+
+def test_cuda_core_gemv_machine_code(tmp_path: Path) -> None:
+    """gguf_gemv_small.cu: one kernel per type and row count 1..4; the same
+    uniform-register check; the batch-1 kernels keep everything in registers
+    (no local memory: a spill in the decode loop would cost more than the
+    decode); Q4_K/Q5_K load 16 bytes at a time, and no type loads single
+    bytes (the 2-byte aligned types read 32-bit words and funnel-shift)."""
+    kernels = functions(hopper_sass(SMALL_SOURCE, tmp_path))
+    types = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+    assert sorted(kernels) == sorted(f"gguf_gemv_small_{t}_m{m}" for t in types for m in range(1, 5))
+    assert unwritten_uniform_reads("".join("Function : " + k for k in kernels.values())) == {}
+    for name, code in kernels.items():
+        opcodes = [m.group(1) for m in map(_INSTRUCTION.match, code.splitlines()) if m]
+        if name.endswith("_m1"):
+            assert not [o for o in opcodes if o.startswith(("LDL", "STL"))], f"{name} spills"
+        if "_Q4_K_" in name or "_Q5_K_" in name:
+            assert sum(o.startswith("LDG.E.128") for o in opcodes) >= 3, name
+        assert not [o for o in opcodes if o.startswith("LDG") and (".U8" in o or ".S8" in o)], name

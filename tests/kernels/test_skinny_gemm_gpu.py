@@ -22,8 +22,11 @@ QWEN3_0_6B = [(6144, 1024), (4096, 1024), (1024, 3072), (1024, 2048)]
 QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 SMOLLM2 = [(960, 576), (576, 1536), (3072, 576), (2560, 960)]
 # Odd N (partial row groups and CTAs, odd output row length), K not a multiple
-# of the 128-wide warp step, tiny and boundary cases of the layout choice.
-ODD = [(1000, 1024), (9, 576), (1, 8), (33, 24), (2056, 1000), (4097, 264), (2113, 136)]
+# of the 128-wide warp step, tiny and boundary cases of the layout choice;
+# (4352, 64): two row groups in a CTA of one warp (one step of K), whose
+# second group's outputs were once left unwritten.
+ODD = [(1000, 1024), (9, 576), (1, 8), (33, 24), (2056, 1000), (4097, 264), (2113, 136),
+       (4352, 64)]
 SHAPES = QWEN3_0_6B + QWEN3_8B + SMOLLM2 + ODD
 
 

@@ -1,7 +1,7 @@
 """The engine on the GPU at real shapes with random weights, against the HBM
 roofline, the tensor-core peak and Hugging Face transformers, in one run.
 
-    python tests/perf/bench_gpu_engine.py [--only decode,throughput,prefill,hf,kv-fp8]
+    python tests/perf/bench_gpu_engine.py [--only decode,throughput,prefill,hf,kv-fp8,deterministic]
 
 1. Batch-1 decode tok/s at the Qwen3-0.6B and Qwen3-8B shapes through the
    engine's own step loop (scheduler, inputs, graph replay, sampling,
@@ -15,6 +15,9 @@ roofline, the tensor-core peak and Hugging Face transformers, in one run.
 3. Time to first token for 1k, 8k and 32k-token prompts at the 8B shape, as
    prompt tok/s and as a share of the measured bf16 GEMM rate.
 4. transformers (eager generate and forward, bf16, sdpa) on the same shapes.
+5. With deterministic (not in the default set): batch-invariant mode's cost,
+   batch-1 and batch-64 decode tok/s and a 1k-token prefill at the 0.6B and
+   8B shapes, with --deterministic off and on side by side.
 
 Prints a table last; writes every figure to $OUT/bench_gpu_engine.json.
 """
@@ -157,6 +160,51 @@ def bench_prefill() -> dict[str, dict[str, float]]:
     return results
 
 
+def _decode_rate(core: EngineCore, batch: int, rng: random.Random, steps: int = 256) -> float:
+    """Output tok/s of `batch` requests decoding together, their 32-token
+    prompts prefilled in one step before the clock starts."""
+    for index in range(batch):
+        _submit(core, f"b{batch}-{index}", _random_prompt(rng, 32), steps + 1)
+    stamps = []
+    while core.has_work:
+        core.step()
+        stamps.append(time.perf_counter())
+    # As bench_decode: turn 2 completes the prefill (every first token), the
+    # last turn completes decode step `steps`.
+    return batch * steps / (stamps[-1] - stamps[1])
+
+
+def _prefill_rate(core: EngineCore, length: int, rng: random.Random) -> float:
+    """Prompt tok/s of one `length`-token prompt (time to its first token)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    _submit(core, f"p{length}", _random_prompt(rng, length), 1)
+    _drain(core)
+    return length / (time.perf_counter() - started)
+
+
+def bench_deterministic() -> dict[str, dict[str, dict[str, float]]]:
+    """Batch-invariant mode (--deterministic) against the default, per shape."""
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for shape in ("qwen3-0.6b", "qwen3-8b"):
+        loaded = random_model(shape, DEVICE)
+        results[shape] = {}
+        for deterministic in (False, True):
+            core, events = make_engine(loaded, max_concurrency=64, max_batched_tokens=2048,
+                                       max_context=2048, deterministic=deterministic)
+            rng = random.Random(3)
+            _submit(core, "warm", _random_prompt(rng, 1024), 16)
+            _drain(core)
+            row = {"decode_b1_tok_s": _decode_rate(core, 1, rng),
+                   "decode_b64_tok_s": _decode_rate(core, 64, rng),
+                   "prefill_1k_tok_s": _prefill_rate(core, 1024, rng)}
+            results[shape]["on" if deterministic else "off"] = row
+            print(json.dumps({shape: {"deterministic": deterministic, **row}}), flush=True)
+            _free(core, events)
+        _free(loaded)
+    return results
+
+
 def bench_transformers() -> dict[str, Any]:
     import transformers
 
@@ -215,6 +263,8 @@ def main() -> int:
     if "prefill" in parts:
         RESULTS["prefill"] = bench_prefill()
         print(json.dumps(RESULTS["prefill"]), flush=True)
+    if "deterministic" in parts:
+        RESULTS["deterministic"] = bench_deterministic()
     if "hf" in parts:
         RESULTS["transformers"] = bench_transformers()
     out = os.environ.get("OUT")
@@ -230,6 +280,11 @@ def main() -> int:
         row = RESULTS["throughput"]
         print(f"throughput 256 req 0.6b: {row['output_tok_s']:.0f} output tok/s "
               f"({row['seconds']:.1f} s, {row['preemptions']} preemptions)")
+    for shape, modes in RESULTS.get("deterministic", {}).items():
+        for metric in ("decode_b1_tok_s", "decode_b64_tok_s", "prefill_1k_tok_s"):
+            off, on = modes["off"][metric], modes["on"][metric]
+            print(f"--deterministic {shape} {metric}: off {off:.0f}, on {on:.0f} "
+                  f"({on / off:.0%} of off)")
     for length, row in RESULTS.get("prefill", {}).items():
         hf = RESULTS.get("transformers", {}).get("qwen3-8b", {}).get(f"prefill_{length}", {})
         print(f"prefill 8b {length}: TTFT {row['ttft_s'] * 1e3:.0f} ms, {row['tok_s']:.0f} tok/s, "

@@ -26,7 +26,7 @@ from router.settings import ModelSettings, SamplingOverrides
 CLI_NAMES = (
     "device dtype page-size max-concurrency max-batched-tokens max-context kv-capacity "
     "prefix-cache-tokens host-kv-mib cache-ram disk-kv-path disk-kv-mib disk-kv-restore-ms "
-    "device-memory-mib kv-dtype quantize gguf-weights vision mmproj mm kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
+    "device-memory-mib kv-dtype quantize gguf-weights vision mmproj mm deterministic kv-headroom-mib cuda-graph output-window threads pooling spec draft-model "
     "model-draft spec-draft-model md draft-tokens draft-max spec-draft-n-max draft-n draft "
     "spec-ngram-min spec-ngram-max expert-residency cpu-moe cmoe n-cpu-moe ncmoe "
     "expert-cache-mib moe-cache-mib ctx-checkpoints swa-checkpoints checkpoint-every-n-tokens "
@@ -47,7 +47,7 @@ def test_the_command_line_has_exactly_the_documented_per_model_flags() -> None:
     flags = {opt for action in parser()._actions for opt in action.option_strings}
     expected = {f"--{name}" for name in CLI_NAMES} | {
         "--no-model-suspend", "--no-cuda-graph", "--no-reranking", "--no-rerank", "--no-slots",
-        "--no-cpu-moe", "--no-cmoe", "--no-vision", "-h", "--help"}
+        "--no-cpu-moe", "--no-cmoe", "--no-vision", "--no-deterministic", "-h", "--help"}
     assert flags == expected
 
 
@@ -449,3 +449,26 @@ def test_contradicting_or_idle_expert_options_are_refused(layers: list[dict],
         resolve_settings(layers)
     with pytest.raises(ValueError, match="expert residency must be one of device, host"):
         EngineOptions(expert_residency="disk")
+
+
+def test_deterministic_reaches_the_engine_from_the_command_line_and_a_preset(
+        tmp_path: Path) -> None:
+    from router.presets import load_preset
+
+    assert resolve_settings([]).engine.deterministic is False
+    given = given_options(parser().parse_args(["--deterministic"]))
+    engine = resolve_settings([given]).engine
+    assert engine.deterministic is True
+    assert EngineOptions.from_json(engine.to_json()).deterministic is True
+    preset = tmp_path / "models.ini"
+    preset.write_text("[*]\ndeterministic = true\n[a]\nmodel = a.gguf\n[b]\nmodel = b.gguf\n"
+                      "deterministic = off\n")
+    loaded = load_preset(preset)
+    shared = loaded.global_options
+    for name, expected in (("a", True), ("b", False)):
+        section = loaded.section(name)
+        assert section is not None
+        assert resolve_settings([shared, section.values()]).engine.deterministic is expected
+    # What the mode cannot honour stops the server at start, not at a load.
+    with pytest.raises(ValueError, match="--deterministic cannot be combined with --spec ngram"):
+        resolve_settings([{"deterministic": True, "spec": "ngram"}])
