@@ -82,8 +82,10 @@ class ReadJob:
 
 class DiskReader:
     def __init__(self, directory: Path, kv_format: bytes, memory: SlotViews,
-                 unwritten: Unwritten, threads: int = READER_THREADS) -> None:
+                 unwritten: Unwritten, path_of: Callable[[bytes], Path],
+                 threads: int = READER_THREADS) -> None:
         self.directory = directory
+        self.path_of = path_of  # a page's file (its name carries its parent)
         self.kv_format = kv_format
         self.memory = memory
         self.unwritten = unwritten
@@ -132,7 +134,7 @@ class DiskReader:
 
     def _read(self, job: ReadJob) -> None:
         started = time.monotonic()
-        path = self.directory / job.page_hash.hex()
+        path = self.path_of(job.page_hash)
         try:
             into = self.memory.slot_view(job.slot)
             pending = self.unwritten(job.page_hash)

@@ -2,11 +2,15 @@
 files that outlive the engine (--disk-kv-path, --disk-kv-mib).
 
 Files live under DIR/<model artifact digest>/<KV format digest>/, one per
-page, named by the page's prefix digest in hex (engine/kv/block_hash.py), in
-the format of engine/kv/disk_pages.py; so a model or KV format never reads
+page, named by the page's prefix digest in hex (engine/kv/block_hash.py) and
+its parent's (`<hash>-<parent>`; a chain's head has no parent part), in the
+format of engine/kv/disk_pages.py; so a model or KV format never reads
 another's pages, and a page shared by many prompts is stored once. The tier
-is least recently used out by file, within its byte budget; at start it
-scans its directory (order from the files' mtimes, which a hit refreshes).
+keeps its byte budget by evicting chains from their ends, starting under
+the least recently used page (engine/kv/disk_chains.py: the parent links
+keep every file reachable); at start it scans its directory (order from the
+files' mtimes, which a hit refreshes; parents from the names) and deletes
+the fragments a crash or a hand left behind.
 
 Writes: HostTier offers each page it evicts (on_evict); the page's bytes are
 copied out of the host slot at once (the slot is about to be reused) and
@@ -54,13 +58,14 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from engine.kv.block_hash import ROOT_HASH, parents_first
+from engine.kv.disk_chains import ChainIndex, file_name, parse_file_name
 from engine.kv.disk_pages import PageRead, file_bytes, page_header
 from engine.kv.disk_reader import DiskReader
 from engine.kv.host_tier import HostTier, copy_counters
@@ -168,9 +173,8 @@ class DiskTier:
         self.memory = memory
         self.counters = DiskCounters()
         self._lock = threading.Condition()
-        # Least recently used first: hash -> file size.
-        self._index: OrderedDict[bytes, int] = OrderedDict()
-        self._bytes = 0
+        # The pages on disk: sizes, least recently used order, parents.
+        self._index = ChainIndex()
         # (parent hash, hash, tokens, bytes) of each page waiting for a writer.
         self._queue: deque[tuple[bytes, bytes, tuple[int, ...], bytes]] = deque()
         self._queued_bytes = 0
@@ -188,7 +192,7 @@ class DiskTier:
                                           daemon=True) for i in range(WRITER_THREADS)]
         for writer in self._writers:
             writer.start()
-        self.reader = DiskReader(directory, kv_format, memory, self.unwritten)
+        self.reader = DiskReader(directory, kv_format, memory, self.unwritten, self.file_path)
 
     # ---- the index -------------------------------------------------------------
 
@@ -198,10 +202,12 @@ class DiskTier:
 
     @property
     def cached_bytes(self) -> int:
-        return self._bytes
+        return self._index.total_bytes
 
-    def _path(self, page_hash: bytes) -> Path:
-        return self.directory / page_hash.hex()
+    def file_path(self, page_hash: bytes) -> Path:
+        """Where a held page's file is (a page not held: its head name)."""
+        with self._lock:
+            return self.directory / self._index.name(page_hash)
 
     def _scan(self) -> None:
         """Find the pages a run before left; LRU order from their mtimes."""
@@ -213,19 +219,21 @@ class DiskTier:
                 if time.time() - entry.stat().st_mtime > STALE_TEMPORARY_SECONDS:
                     Path(entry.path).unlink(missing_ok=True)
                 continue
-            try:
-                page_hash = bytes.fromhex(entry.name)
-            except ValueError:
-                continue
-            if len(page_hash) == 16 and entry.is_file():
+            named = parse_file_name(entry.name)
+            if named is not None and entry.is_file():
                 stat = entry.stat()
-                found.append((stat.st_mtime_ns, page_hash, stat.st_size))
-        for _, page_hash, size in sorted(found):
-            self._index[page_hash] = size
-            self._bytes += size
+                found.append((stat.st_mtime_ns, named[0], named[1], stat.st_size))
+        for _, page_hash, parent, size in sorted(found):
+            self._index.add(page_hash, size, parent)
+        fragments = self._index.fragments()
+        for page_hash in fragments:
+            path = self.directory / self._index.name(page_hash)
+            self._index.remove(page_hash)
+            path.unlink(missing_ok=True)
         self._evict_over_budget()
-        log.info("disk KV tier: %d pages (%.1f MiB of %.1f MiB) found in %s", len(self._index),
-                 self._bytes / 2**20, self.budget_bytes / 2**20, self.directory)
+        log.info("disk KV tier: %d pages (%.1f MiB of %.1f MiB) found in %s%s", len(self._index),
+                 self._index.total_bytes / 2**20, self.budget_bytes / 2**20, self.directory,
+                 f"; {len(fragments)} pages whose chain was broken deleted" if fragments else "")
 
     def find(self, page_hash: bytes) -> bool:
         with self._lock:
@@ -243,21 +251,14 @@ class DiskTier:
         with self._lock:
             return list(self._index)
 
-    def _forget(self, page_hash: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(page_hash, None)
-            if size is not None:
-                self._bytes -= size
-
     def _evict_over_budget(self) -> None:
         while True:
             with self._lock:
-                if self._bytes <= self.budget_bytes or not self._index:
+                if self._index.total_bytes <= self.budget_bytes or not len(self._index):
                     return
-                page_hash, size = self._index.popitem(last=False)
-                self._bytes -= size
+                _, name = self._index.evict()
                 self.counters.evicted_pages += 1
-            self._path(page_hash).unlink(missing_ok=True)
+            (self.directory / name).unlink(missing_ok=True)
 
     # ---- writes ----------------------------------------------------------------
 
@@ -281,7 +282,7 @@ class DiskTier:
         still in the slot, and copied out now if it continues a chain here."""
         with self._lock:
             if page_hash in self._index:
-                self._index.move_to_end(page_hash)
+                self._index.touch(page_hash)
                 return
             if page_hash in self._unwritten:
                 return
@@ -314,7 +315,7 @@ class DiskTier:
                 self._writing += 1
             try:
                 if not orphan:
-                    self._write(page_hash, tokens, payload)
+                    self._write(parent, page_hash, tokens, payload)
             finally:
                 with self._lock:
                     self._writing -= 1
@@ -322,11 +323,12 @@ class DiskTier:
                     self._unwritten.pop(page_hash, None)
                     self._lock.notify_all()
 
-    def _write(self, page_hash: bytes, tokens: Sequence[int], payload: bytes) -> None:
+    def _write(self, parent: bytes, page_hash: bytes, tokens: Sequence[int], payload: bytes
+               ) -> None:
         with self._lock:
             if page_hash in self._index:
                 return
-        path = self._path(page_hash)
+        path = self.directory / file_name(page_hash, parent)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         header = page_header(self.kv_format, page_hash, tokens, payload)
         try:
@@ -348,8 +350,7 @@ class DiskTier:
             return
         size = len(header) + len(payload)
         with self._lock:
-            self._index[page_hash] = size
-            self._bytes += size
+            self._index.add(page_hash, size, parent)
             self.counters.written_pages += 1
             self.counters.bytes_written += size
         self._evict_over_budget()
@@ -387,7 +388,7 @@ class DiskTier:
             if orphan:
                 orphans += 1
                 continue
-            self._write(page_hash, tokens, self.memory.slot_bytes(slot))
+            self._write(parent, page_hash, tokens, self.memory.slot_bytes(slot))
             written += 1
         left = len(resident) - written - orphans
         log.info("disk KV tier: wrote %d of the host tier's %d pages the disk lacked in "
@@ -422,19 +423,22 @@ class DiskTier:
             if not from_memory:
                 self.counters.bytes_read += self.file_bytes
             with self._lock:
-                if page_hash in self._index:
-                    self._index.move_to_end(page_hash)
+                self._index.touch(page_hash)
             return
-        self._forget(page_hash)
+        with self._lock:
+            # The pages after it are fragments now (lookups stop here): gone too.
+            names = self._index.remove_chain_from(page_hash)
+        for name in names[1:]:
+            (self.directory / name).unlink(missing_ok=True)
         if status is PageRead.CORRUPT:
             self.counters.corrupt_pages += 1
-            path = self._path(page_hash)
+            path = self.directory / (names[0] if names else file_name(page_hash, None))
             path.unlink(missing_ok=True)
             log.warning("disk KV tier: page file %s is damaged or foreign; deleted, its "
                         "tokens are computed instead", path.name)
 
     def report(self, stats: EngineStats) -> None:
         stats.disk_kv_capacity_bytes = self.budget_bytes
-        stats.disk_kv_bytes_cached = self._bytes
+        stats.disk_kv_bytes_cached = self._index.total_bytes
         stats.disk_kv_pages_cached = len(self._index)
         copy_counters(self.counters, stats, "disk_kv")

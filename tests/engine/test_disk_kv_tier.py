@@ -18,6 +18,7 @@ import pytest
 
 import protocol as p
 from engine.kv import disk_tier as disk_tier_module
+from engine.kv.disk_chains import parse_file_name
 from engine.kv.disk_tier import DiskTier
 from engine.kv.kv_sizing import HostKvPlan
 from engine.process import bootstrap
@@ -80,7 +81,7 @@ def push_to_disk(core: EngineCore, events: list[p.EngineEvent], tokens: list[int
 
 def page_files(core: EngineCore, tokens: list[int]) -> list[Path]:
     tier = disk(core)
-    return [tier.directory / h.hex() for h in page_hashes(core, tokens)]
+    return [tier.file_path(h) for h in page_hashes(core, tokens)]
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_a_damaged_or_foreign_page_file_is_a_miss_and_is_deleted(
         # with a checksum that matches them, and its tokens are others.
         from engine.kv.disk_pages import page_header
         payload = bytes(tier.page_bytes)
-        page_hash = bytes.fromhex(victim.name)
+        page_hash = page_hashes(core, conversation)[3]
         victim.write_bytes(page_header(tier.kv_format, page_hash, [7] * PAGE, payload) + payload)
     else:
         victim.write_bytes(bytes(data))
@@ -203,7 +204,10 @@ def test_a_damaged_or_foreign_page_file_is_a_miss_and_is_deleted(
     assert got == expected[2]
     assert cached == 3 * PAGE  # the pages before the damaged one
     assert tier.counters.hit_pages == 3 and tier.counters.corrupt_pages == 1
-    assert not victim.exists() and bytes.fromhex(victim.name) not in tier.cached_hashes()
+    assert not victim.exists() and page_hashes(core, conversation)[3] not in tier.cached_hashes()
+    # The pages after it, which no lookup reaches now, are gone too.
+    assert not any(f.exists() for f in files[4:])
+    assert not set(page_hashes(core, conversation)[4:]) & set(tier.cached_hashes())
     assert core._stats.disk_kv_corrupt_pages_total == 1
     tier.close()
 
@@ -252,7 +256,8 @@ def test_pages_resident_at_shutdown_are_written_and_a_restart_serves_them(
     assert set(hashes) & set(resident)
     assert not set(resident) <= set(disk(core).cached_hashes())
     core.handle(p.Shutdown())
-    assert set(resident) <= {bytes.fromhex(f.name) for f in disk(core).directory.iterdir()}
+    assert set(resident) <= {parse_file_name(f.name)[0]  # type: ignore[index]
+                             for f in disk(core).directory.iterdir()}
 
     restarted, restarted_events = make_engine(tiny_qwen3_dir, tmp_path)
     tier = disk(restarted)
