@@ -19,6 +19,7 @@ import pytest
 
 import protocol as p
 from engine.kv import disk_reader
+from engine.kv.disk_chains import parse_file_name
 from engine.scheduling.core import EngineCore
 from tests.engine import in_process
 from tests.engine.test_disk_kv_tier import (
@@ -241,7 +242,8 @@ def test_a_shutdown_during_reads_stops_the_readers_and_registers_only_whole_page
     for slot, _, page_hash, _ in host.resident():
         if page_hash in payloads:
             assert memory.slot_bytes(slot) == payloads[page_hash]
-    assert set(hashes) <= {bytes.fromhex(f.name) for f in tier.directory.iterdir()}
+    assert set(hashes) <= {parse_file_name(f.name)[0]  # type: ignore[index]
+                           for f in tier.directory.iterdir()}
 
 
 def test_two_requests_restoring_at_once_take_turns_and_both_match_from_scratch(
