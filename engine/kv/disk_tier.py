@@ -223,7 +223,8 @@ class DiskTier:
             if named is not None and entry.is_file():
                 stat = entry.stat()
                 found.append((stat.st_mtime_ns, named[0], named[1], stat.st_size))
-        for _, page_hash, parent, size in sorted(found):
+        # By mtime, then hash (a parent may be None: never compared).
+        for _, page_hash, parent, size in sorted(found, key=lambda e: (e[0], e[1])):
             self._index.add(page_hash, size, parent)
         fragments = self._index.fragments()
         for page_hash in fragments:

@@ -4,6 +4,7 @@ the byte budget, by a damaged page, or across a restart."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from engine.kv.block_hash import ROOT_HASH
@@ -94,4 +95,22 @@ def test_the_budget_keeps_a_chains_start_on_disk_and_a_restart_finds_it(tmp_path
     assert again.cached_hashes() == [h(11), h(12), h(13), h(14)]
     assert all(parse_file_name(p.name)[1] in (None, *again.cached_hashes())  # type: ignore[index]
                for p in tmp_path.iterdir())
+    again.close()
+
+
+def test_a_scan_takes_one_page_under_two_names_with_the_same_time(tmp_path: Path) -> None:
+    # An older version's file beside this one's, for the same page: the
+    # scan must not compare their parents (None against bytes) to order them.
+    slots = Slots(1)
+    tier = make_tier(tmp_path, 4, slots)
+    spill_chain(tier, slots, 1, 2)
+    tier.close()
+    newer = tmp_path / file_name(h(2), h(1))
+    older = tmp_path / h(2).hex()
+    older.write_bytes(newer.read_bytes())
+    stamp = newer.stat().st_mtime_ns
+    for path in (newer, older):
+        os.utime(path, ns=(stamp, stamp))
+    again = make_tier(tmp_path, 4, slots)
+    assert again.cached_hashes() == [h(1), h(2)]
     again.close()
