@@ -169,6 +169,32 @@ def check_row_strided_out(out: torch.Tensor, rows: int, n: int, device: torch.de
     return row_stride if rows > 1 else n
 
 
+def check_gemv_x(x: torch.Tensor, max_rows: int) -> tuple[int, int]:
+    """A GEMV kernel's activations: contiguous bf16 [M, K] with 1 <= M <=
+    max_rows, 16-byte aligned (its rows are read 16 bytes at a time).
+    Returns (M, K); ValueError otherwise."""
+    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+    rows, k = x.shape
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"x must have 1 to {max_rows} rows, got {rows}")
+    if x.data_ptr() % 16:
+        raise ValueError("x must start at a 16-byte aligned address")
+    return rows, k
+
+
+def gemv_out(out: torch.Tensor | None, rows: int, n: int, x: torch.Tensor,
+             inputs: tuple[torch.Tensor, ...], names: str) -> tuple[torch.Tensor, int]:
+    """A GEMV kernel's output and its row stride: bf16 [rows, n] allocated
+    on x's device when None, else checked (check_row_strided_out) and
+    refused where it overlaps any of inputs ("out must not overlap <names>")."""
+    if out is None:
+        return torch.empty((rows, n), dtype=torch.bfloat16, device=x.device), n
+    stride = check_row_strided_out(out, rows, n, x.device)
+    if any(row_strided_out_overlaps(out, stride, tensor) for tensor in inputs):
+        raise ValueError(f"out must not overlap {names}")
+    return out, stride
+
+
 def row_strided_out_overlaps(out: torch.Tensor, row_stride: int, tensor: torch.Tensor) -> bool:
     """Whether a [rows, n] output with this row stride spans any byte of tensor."""
     start = out.data_ptr()

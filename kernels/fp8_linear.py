@@ -31,12 +31,13 @@ import torch.nn.functional as F
 
 from kernels.cuda_build import (
     check_cuda_tensor,
+    check_gemv_x,
     check_row_strided_out,
     device_index_of,
+    gemv_out,
     launch,
     load_kernel,
     ptr,
-    row_strided_out_overlaps,
     sm_count,
     tensors_overlap,
 )
@@ -91,23 +92,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     (row stride >= N); it must not overlap x, weight or scales. Raises
     ValueError for anything else.
     """
-    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-    rows, k = x.shape
-    if not 1 <= rows <= FP8_GEMV_MAX_ROWS:
-        raise ValueError(f"x must have 1 to {FP8_GEMV_MAX_ROWS} rows, got {rows}")
-    if x.data_ptr() % 16:
-        raise ValueError("x must start at a 16-byte aligned address")
+    rows, k = check_gemv_x(x, FP8_GEMV_MAX_ROWS)
     n, weight_k = _check_weight(weight, scales, x.device)
     if weight_k != k:
         raise ValueError(f"x must be [M, {weight_k}] for weight {tuple(weight.shape)}, "
                          f"got {tuple(x.shape)}")
-    if out is None:
-        out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
-        out_stride = n
-    else:
-        out_stride = check_row_strided_out(out, rows, n, x.device)
-        if any(row_strided_out_overlaps(out, out_stride, t) for t in (x, weight, scales)):
-            raise ValueError("out must not overlap x, weight or scales")
+    out, out_stride = gemv_out(out, rows, n, x, (x, weight, scales), "x, weight or scales")
     index = device_index_of(x)
     ctas = -(-n // _ROWS_PER_CTA)
     most = _WARPS_MANY_CTAS if ctas >= sm_count(index) else _WARPS_FEW_CTAS

@@ -35,12 +35,13 @@ import torch.nn.functional as F
 
 from kernels.cuda_build import (
     check_cuda_tensor,
+    check_gemv_x,
     check_row_strided_out,
     device_index_of,
+    gemv_out,
     launch,
     load_kernel,
     ptr,
-    row_strided_out_overlaps,
     set_max_dynamic_shared,
     sm_count,
     tensors_overlap,
@@ -212,18 +213,9 @@ def _gemv_arguments(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torc
     """Check a GEMV's arguments: (type name, N, K, out, out's row stride),
     out allocated when None."""
     name = _require_type(qtype)
-    check_cuda_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-    rows, k = x.shape
-    if not 1 <= rows <= max_rows:
-        raise ValueError(f"x must have 1 to {max_rows} rows, got {rows}")
-    if x.data_ptr() % 16:
-        raise ValueError("x must start at a 16-byte aligned address")
+    rows, k = check_gemv_x(x, max_rows)
     n = _check_packed(packed, qtype, k, x.device)
-    if out is None:
-        return name, n, k, torch.empty((rows, n), dtype=torch.bfloat16, device=x.device), n
-    out_stride = check_row_strided_out(out, rows, n, x.device)
-    if row_strided_out_overlaps(out, out_stride, x) or row_strided_out_overlaps(out, out_stride, packed):
-        raise ValueError("out must not overlap x or packed")
+    out, out_stride = gemv_out(out, rows, n, x, (x, packed), "x or packed")
     return name, n, k, out, out_stride
 
 

@@ -49,6 +49,9 @@ class VisionEncoder:
         self.spec = spec
         self.device = device
         self.dtype = dtype
+        # Patches a tower pass takes at most: the largest image's (vision_memory.py).
+        grid_h, grid_w = largest_image_grid(spec)
+        self.max_pass_patches = grid_h * grid_w
 
     @property
     def weights_bytes(self) -> int:
@@ -65,13 +68,11 @@ class VisionEncoder:
         return encoded
 
     def _passes(self, images: Sequence[ImageInput]) -> list[list[ImageInput]]:
-        grid_h, grid_w = largest_image_grid(self.spec)
-        most = grid_h * grid_w
         passes: list[list[ImageInput]] = []
         patches = 0
         for image in images:
             size = image.grid_t * image.grid_h * image.grid_w
-            if not passes or patches + size > most:
+            if not passes or patches + size > self.max_pass_patches:
                 passes.append([])
                 patches = 0
             passes[-1].append(image)

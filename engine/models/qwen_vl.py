@@ -22,34 +22,38 @@ from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
+class _MultimodalRotary:
+    """The multimodal RoPE fields both families read from a config.json or
+    a llama.cpp GGUF: their sections, and whether the axes interleave."""
+
+    # transformers' sections when a config names none.
+    default_mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool
+
+    @classmethod
+    def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        section = hf_mrope_section(cfg) or cls.default_mrope_section
+        return {"mrope_section": section, "mrope_interleaved": cls.mrope_interleaved}
+
+    @classmethod
+    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
+        return {"mrope_section": gguf_mrope_section(meta),
+                "mrope_interleaved": cls.mrope_interleaved}
+
+
+class Qwen2_5_VLForConditionalGeneration(_MultimodalRotary, Qwen2ForCausalLM):
     # Qwen2-VL's text GGUFs say qwen2vl too: the same decoder and sections.
     gguf_architecture = "qwen2vl"
-
-    @classmethod
-    def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        # transformers' default when the config names no sections.
-        section = hf_mrope_section(cfg) or (16, 24, 24)
-        return {"mrope_section": section, "mrope_interleaved": False}
-
-    @classmethod
-    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
-        return {"mrope_section": gguf_mrope_section(meta), "mrope_interleaved": False}
+    default_mrope_section = (16, 24, 24)
+    mrope_interleaved = False
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+class Qwen3VLForConditionalGeneration(_MultimodalRotary, Qwen3ForCausalLM):
     gguf_architecture = "qwen3vl"
-
-    @classmethod
-    def hf_multimodal(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        # transformers' Qwen3-VL always interleaves the axes (its configs say
-        # mrope_interleaved: true; the modeling code does not read the flag).
-        section = hf_mrope_section(cfg) or (24, 20, 20)
-        return {"mrope_section": section, "mrope_interleaved": True}
-
-    @classmethod
-    def gguf_multimodal(cls, meta: Any) -> dict[str, Any]:
-        return {"mrope_section": gguf_mrope_section(meta), "mrope_interleaved": True}
+    default_mrope_section = (24, 20, 20)
+    # transformers' Qwen3-VL always interleaves the axes (its configs say
+    # mrope_interleaved: true; the modeling code does not read the flag).
+    mrope_interleaved = True
 
 
 def gguf_mrope_section(meta: Any) -> tuple[int, ...]:
