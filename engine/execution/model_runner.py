@@ -205,12 +205,6 @@ class ModelRunner:
                      self.config.architecture)
             return 0.0
         started = time.perf_counter()
-        # torch.cuda.graph empties the allocator's cache when a capture
-        # begins: emptied here first, blocks cached before it are not
-        # subtracted from the graphs' pool. (The tiny Qwen3-VL test model
-        # still reads a negative pool on the H200: something alive here is
-        # freed during capture; not found yet.)
-        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         memory = (GraphMemory(self.decode_rows, self.config.vocab_size, self.device)
                   if self.cuda_graph else None)
