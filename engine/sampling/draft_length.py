@@ -16,13 +16,33 @@ single draft token, after a back-off of plain steps that doubles at each
 failed probe (up to a cap), so that a row whose text starts copying later
 resumes, and one that never copies costs almost nothing.
 
-A row starts as if its drafts had all been accepted (p = 1, the full K): a
-drafter that is right drafts the full length from its first step, and one
-that is wrong falls to a single token and then off within a few steps (six
-with K = 8: about five plain steps' worth of work, once per request).
+A new row starts from the engine's acceptance (DraftAcceptance, one per
+scheduler: the same decaying average over every row's verified positions,
+with a window of ENGINE_WINDOW positions), weighted as PRIOR_WEIGHT
+positions. A fresh engine's is 1, so a row drafts the full K from its first
+step; where the engine's drafts have been kept lately, so does a new row,
+and one whose drafter turns out wrong falls to a single token and then off
+within a few steps (six with K = 8: about five plain steps' worth of work).
+Where they have not been kept, the row starts switched off and probes at
+the next multiple of FIRST_BACKOFF on the scheduler's clock, where other
+new rows probe too: on a GPU each drafting step costs the whole batch its
+host/device overlap, so requests arriving one after another into a batch
+that does not copy no longer cost it their start-up each. The price: a
+request that copies, arriving while the engine's drafts are rejected,
+waits up to FIRST_BACKOFF steps for its first (one-token) probe and then
+climbs as any probing row does, instead of drafting K from its first step.
+The window is short so that a change of workload shows within a few
+requests (128 tokens each, one after another): after requests whose drafts
+all miss, a copying request's first few drafting steps lift the estimate
+over the one-token threshold (about 7 kept positions from none), and the
+next request drafts from its first step; after a stretch of copying, of
+requests whose drafts all miss the first starts at K (and rejects about
+nine positions, probes included), the next two at what the falling
+estimate gives (with K = 8: 2 and 1 tokens) and the fourth starts switched
+off (about ENGINE_WINDOW rejected positions in all).
 A drafter that proposes nothing (no n-gram match) has still cost a step
-without overlap: it counts as a rejected position, so a row that never
-finds a match backs off like one whose matches are wrong.
+without overlap: it counts as a rejected position (for the engine too), so
+a row that never finds a match backs off like one whose matches are wrong.
 """
 
 from __future__ import annotations
@@ -45,9 +65,10 @@ MIN_GAIN = 1.05
 # CPU benchmark's outputs through the n-gram drafter, a 5-position window
 # lost a tenth of the copy tasks' gain to needless switch-offs.)
 DECAY = 0.9
-# What a new row's starting assumption (p = 1) and a probe's are worth, in
-# positions: fewer than the window, so that a drafter that is wrong from
-# the start falls to off within five or six steps.
+# What a new row's starting assumption (the engine's acceptance, 1 on a
+# fresh engine) and a probe's are worth, in positions: fewer than the
+# window, so that a drafter that is wrong from the start falls to off
+# within five or six steps.
 PRIOR_WEIGHT = 4.0
 # After switching off: plain steps before the first probe, doubling at each
 # probe that fails, up to the cap. A failed probe costs one drafting step of
@@ -61,24 +82,63 @@ MAX_BACKOFF = 128
 # above), so that a kept probe lifts the row to two tokens (p = 0.53) and a
 # missed one turns it off again (p = 0.31).
 PROBE_ACCEPTANCE = 0.4
+# The engine's estimate averages about the last ENGINE_WINDOW verified
+# positions of all rows: short enough to follow a change of workload within
+# a few requests (see above), long enough that one request's stray kept
+# draft does not turn new rows on.
+ENGINE_WINDOW = 16
+
+
+class DraftAcceptance:
+    """The engine's per-position acceptance over every row's verified
+    positions: where a new row's estimate starts (one per scheduler)."""
+
+    __slots__ = ("_accepted", "_positions")
+
+    _DECAY = 1.0 - 1.0 / ENGINE_WINDOW
+
+    def __init__(self) -> None:
+        # A full window of acceptances: a fresh engine's rows start at p = 1,
+        # as if it had been copying.
+        self._positions = self._accepted = float(ENGINE_WINDOW)
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._positions
+
+    def observe(self, kept: float) -> None:
+        self._positions = self._DECAY * self._positions + 1.0
+        self._accepted = self._DECAY * self._accepted + kept
 
 
 class DraftLength:
     """One row's next draft length, from the acceptance of its recent drafts."""
 
-    __slots__ = ("_accepted", "_backoff", "_positions", "length", "max_tokens", "resume_at",
-                 "switch_offs")
+    __slots__ = ("_accepted", "_backoff", "_engine", "_positions", "length", "max_tokens",
+                 "resume_at", "switch_offs")
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, engine: DraftAcceptance | None = None,
+                 now: int = 0) -> None:
+        """A row that may draft max_tokens, starting from the engine's
+        acceptance (None: p = 1) in the step the scheduler's clock calls now."""
         assert max_tokens > 0
         self.max_tokens = max_tokens
+        self._engine = engine
+        start = 1.0 if engine is None else engine.acceptance
         # Decayed counts of verified positions and of those accepted: p is
-        # their ratio. Acceptances to start (p = 1).
-        self._positions = self._accepted = PRIOR_WEIGHT
-        self.length = max_tokens  # 0 while switched off
+        # their ratio.
+        self._positions = PRIOR_WEIGHT
+        self._accepted = start * PRIOR_WEIGHT
+        self.length = best_length(start, max_tokens)  # 0 while switched off
         self.resume_at = 0  # the clock's step from which a switched-off row probes
         self._backoff = FIRST_BACKOFF
         self.switch_offs = 0
+        if self.length == 0:
+            # The engine's drafts are not kept: start off, as if the first
+            # back-off were under way, and probe at the next multiple of it,
+            # with the other rows that start off meanwhile.
+            self.resume_at = (now // FIRST_BACKOFF + 1) * FIRST_BACKOFF
+            self._backoff = 2 * FIRST_BACKOFF
 
     @property
     def acceptance(self) -> float:
@@ -125,6 +185,8 @@ class DraftLength:
     def _observe(self, kept: float) -> None:
         self._positions = DECAY * self._positions + 1.0
         self._accepted = DECAY * self._accepted + kept
+        if self._engine is not None:
+            self._engine.observe(kept)
 
 
 def best_length(acceptance: float, max_tokens: int) -> int:

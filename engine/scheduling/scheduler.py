@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager, takes_hits
 from engine.kv.state_checkpoints import RowCopy
-from engine.sampling.draft_length import DraftLength
+from engine.sampling.draft_length import DraftAcceptance, DraftLength
 from engine.sampling.drafter import Drafter, DraftRow, may_draft
 from engine.sampling.verify import accept_drafts
 from engine.scheduling.lanes import Lanes
@@ -141,6 +141,8 @@ class Scheduler:
         # Steps scheduled: the clock switched-off rows probe again by
         # (engine/sampling/draft_length.py), the same for every row.
         self.clock = 0
+        # Every row's verified positions: where a new row's draft length starts.
+        self.draft_acceptance = DraftAcceptance()
         # The engine's cut of a row's draft (EngineCore sets it): before the
         # first token its grammar refuses, or a position whose token a
         # reasoning budget forces; None: drafts are kept whole.
@@ -159,8 +161,6 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if self.drafter is not None:
-            seq.draft_length = DraftLength(self.draft_tokens)
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -260,6 +260,12 @@ class Scheduler:
             if first_admission:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_tokens_total += seq.num_cached_tokens
+            if self.drafter is not None and seq.draft_length is None:
+                # At admission, not arrival: a row that starts switched off
+                # probes on the clock's next back-off boundary from here,
+                # with the rows admitted near it, however long it queued.
+                seq.draft_length = DraftLength(self.draft_tokens, self.draft_acceptance,
+                                               self.clock)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             count = self._chunk_tokens(seq, budget)

@@ -62,7 +62,8 @@ class Sequence:
         # step computes (SamplingParams.prompt_logprobs); never scored twice.
         self.num_prompt_scored = 0
         # How many tokens it drafts next, under speculative decoding (the
-        # scheduler's, from its recent acceptance); None: it never drafts.
+        # scheduler's, set at its first admission, from its recent
+        # acceptance); None: it never drafts.
         self.draft_length: DraftLength | None = None
         self.finish_reason: FinishReason | None = None
         # Hybrid models (engine/kv/state_checkpoints.py): the checkpoint its

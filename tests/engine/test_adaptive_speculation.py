@@ -152,3 +152,35 @@ def test_a_switched_off_row_probes_and_resumes_once_its_drafts_are_right() -> No
     assert tail and all(drafted == accepted == K for _, drafted, accepted in tail), phases
     # Its back-off was waited once: no more than 2 * FIRST_BACKOFF tokens passed.
     assert phases[resumed][0] <= 20 + 2 * FIRST_BACKOFF
+
+
+def test_requests_arriving_after_rejected_ones_start_switched_off() -> None:
+    """The engine's acceptance (engine/sampling/draft_length.py): once its
+    drafts have been rejected a few requests long, a new request drafts
+    nothing until its first probe, which comes within FIRST_BACKOFF steps on
+    a multiple of it on the scheduler's clock; a fresh engine's first request
+    drafts the full length from its first step."""
+    drafter = OracleDrafter(0, error=1.0, full=True)
+    core, _, events = make_core(drafter)
+    requests = {f"r{i}": generate(f"r{i}", [i + 1, 2 * i + 3, 5], 70) for i in range(6)}
+    admitted_at, resume_at = {}, {}
+    for request_id, request in requests.items():  # one after another
+        core.handle(request)
+        core.step()  # admits it
+        admitted_at[request_id] = core.scheduler.clock
+        control = core.scheduler._by_id[request_id].draft_length
+        assert control is not None
+        resume_at[request_id] = control.resume_at if control.length == 0 else None
+        run(core)
+    assert_solo_tokens(events, requests)
+    drafted = {request_id: [output.num_draft_tokens for output in outputs_of(events, request_id)
+                            if output.num_draft_tokens] for request_id in requests}
+    assert drafted["r0"][0] == K and resume_at["r0"] is None
+    for request_id in ("r4", "r5"):
+        # Only one-token probes, the first on the back-off's next boundary.
+        assert drafted[request_id] and set(drafted[request_id]) == {1}, drafted
+        resume, admitted = resume_at[request_id], admitted_at[request_id]
+        assert resume is not None and resume % FIRST_BACKOFF == 0
+        assert admitted < resume <= admitted + FIRST_BACKOFF
+    # Fewer drafting steps in all than if each had started as the first did.
+    assert sum(map(len, drafted.values())) < len(drafted["r0"]) * len(requests)

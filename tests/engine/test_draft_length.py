@@ -7,6 +7,7 @@ import pytest
 from engine.sampling.draft_length import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
+    DraftAcceptance,
     DraftLength,
     best_length,
 )
@@ -121,3 +122,97 @@ def test_rows_switched_off_at_different_steps_probe_in_the_same_step() -> None:
     miss_until_off(first, 3)
     miss_until_off(second, 9)
     assert first.resume_at == second.resume_at == 2 * FIRST_BACKOFF
+
+
+# ---- the engine's starting estimate (DraftAcceptance) -----------------------
+
+
+def serve(engine: DraftAcceptance, now: int, kept: bool, max_tokens: int = 8,
+          tokens: int = 128, proposes: bool = True) -> tuple[DraftLength, int]:
+    """One request of `tokens` output tokens admitted at step `now` of the
+    scheduler's clock, alone in the batch; every draft kept, or every one
+    rejected (or, without `proposes`, none found). Returns its row and the
+    clock at its end."""
+    control = DraftLength(max_tokens, engine, now)
+    output = 0
+    while output < tokens:
+        now += 1
+        limit = control.limit(now)
+        accepted = limit if kept else 0
+        output += 1 + accepted
+        if limit:
+            control.record(limit if proposes else 0, accepted, now)
+    return control, now
+
+
+def test_a_fresh_engine_s_first_row_starts_at_the_full_length() -> None:
+    engine = DraftAcceptance()
+    assert engine.acceptance == 1.0
+    control = DraftLength(8, engine, 5)
+    assert control.length == 8 and control.allows(5) and control.limit(5) == 8
+    # Exactly as a row without the engine's estimate.
+    alone = DraftLength(8)
+    for output in range(3):
+        assert control.limit(output) == alone.limit(output)
+        control.record(control.length, 0, output + 1)
+        alone.record(alone.length, 0, output + 1)
+        assert control.acceptance == alone.acceptance
+
+
+@pytest.mark.parametrize("proposes", [True, False], ids=["rejected", "none-found"])
+def test_after_rows_whose_drafts_all_missed_a_new_row_starts_off(proposes: bool) -> None:
+    engine, now = DraftAcceptance(), 0
+    for _ in range(4):
+        _, now = serve(engine, now, kept=False, proposes=proposes)
+    now += 5  # admitted off a boundary
+    control = DraftLength(8, engine, now)
+    assert control.length == 0 and not control.allows(now) and control.limit(now) == 0
+    # Its first probe comes within FIRST_BACKOFF steps, on a boundary.
+    assert control.resume_at % FIRST_BACKOFF == 0
+    assert now < control.resume_at <= now + FIRST_BACKOFF
+    assert control.allows(control.resume_at) and control.limit(control.resume_at) == 1
+    # Starting off counts as the first back-off: a failed probe waits the second.
+    probe = control.resume_at
+    control.record(1, 0, probe + 1)
+    assert control.resume_at % (2 * FIRST_BACKOFF) == 0
+    assert 2 * FIRST_BACKOFF <= control.resume_at - (probe + 1) < 4 * FIRST_BACKOFF
+
+
+def test_rows_that_start_off_near_each_other_probe_together() -> None:
+    engine, now = DraftAcceptance(), 0
+    for _ in range(4):
+        _, now = serve(engine, now, kept=False)
+    base = (now // FIRST_BACKOFF + 1) * FIRST_BACKOFF
+    first, second = DraftLength(8, engine, base), DraftLength(8, engine, base + 9)
+    assert first.resume_at == second.resume_at == base + FIRST_BACKOFF
+
+
+def test_after_rows_whose_drafts_were_kept_a_new_row_starts_at_the_full_length() -> None:
+    engine, now = DraftAcceptance(), 0
+    for _ in range(3):
+        _, now = serve(engine, now, kept=True)
+    assert engine.acceptance == pytest.approx(1.0)
+    control = DraftLength(8, engine, now)
+    assert control.length == 8 and control.limit(now) == 8
+
+
+@pytest.mark.parametrize("max_tokens", [2, 4, 8])
+def test_the_estimate_follows_a_change_of_workload_within_a_few_requests(
+        max_tokens: int) -> None:
+    """The numbers the module docstring gives: after misses, one copying
+    request turns new rows on; after copying, the fourth request in a row
+    whose drafts all miss starts off."""
+    engine, now = DraftAcceptance(), 0
+    for _ in range(6):
+        _, now = serve(engine, now, kept=False, max_tokens=max_tokens)
+    copying, now = serve(engine, now, kept=True, max_tokens=max_tokens)
+    assert copying.max_tokens == max_tokens and copying.length == max_tokens
+    assert DraftLength(max_tokens, engine, now).length == max_tokens
+    for _ in range(3):
+        _, now = serve(engine, now, kept=True, max_tokens=max_tokens)
+    starts = []  # what each new request starts with
+    for _ in range(4):
+        starts.append(DraftLength(max_tokens, engine, now).length)
+        _, now = serve(engine, now, kept=False, max_tokens=max_tokens)
+    assert starts[0] == max_tokens and starts[-1] == 0, starts
+    assert starts == sorted(starts, reverse=True) and starts[2] < max_tokens, starts

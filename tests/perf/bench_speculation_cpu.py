@@ -24,7 +24,8 @@ for token: the script stops with the first difference otherwise.
 
 --smoke (tests/test_perf_smoke.py): one round of 8 tokens of the first task, none against
 ngram K=4; its figures mean nothing. Writes $OUT/bench_speculation_cpu.json
-when OUT is set (not in --smoke).
+when OUT is set (not in --smoke). Each run starts from a fresh engine's
+draft acceptance (1: new rows draft the full K), whatever ran before it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import protocol as p  # noqa: E402
+from engine.sampling.draft_length import DraftAcceptance  # noqa: E402
 from router.default_model import ensure_default_model  # noqa: E402
 from router.text.model_text import ModelText  # noqa: E402
 
@@ -157,6 +159,10 @@ def generate(core, events: list[p.EngineEvent], prompt: list[int], max_tokens: i
              stop_token_ids: list[int]) -> Run:
     events.clear()
     core.scheduler.kv.pool.clear_cache()  # every run computes its prompt
+    # Every run starts as on a fresh engine, not from the acceptance the
+    # tasks before it left (engine/sampling/draft_length.py), so each task's
+    # figures are its own and every round drafts alike.
+    core.scheduler.draft_acceptance = DraftAcceptance()
     # The engine has no end-of-sequence list of its own: the router sends the model's.
     params = p.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     core.handle(p.Generate("bench", prompt, params))
