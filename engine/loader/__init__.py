@@ -2,7 +2,9 @@
 
 The model is allocated empty on the device first, then each checkpoint tensor
 is read, dequantized or cast, and copied into its slot, so no more than one
-tensor's worth of extra memory exists beside the weights at any time. A GGUF
+tensor's worth of extra memory exists beside the weights at any time. A
+tensor-parallel rank (engine/parallel/) copies only its part of each split
+tensor (a ShardedSlot), so it holds its share of the model and one tensor. A GGUF
 load for our GPU kernels keeps the quantized matrices in their blocks instead
 (engine/loader/packing.py), and an FP8 load (a Hugging Face FP8 checkpoint,
 or --quantize fp8) keeps the projection matrices in FP8 (same module).
@@ -27,6 +29,8 @@ from engine.loader.hf_weights import HFCheckpoint
 from engine.loader.packing import PackingPlan, log_packing, plan_fp8, plan_packing
 from engine.models import CausalLM, ModelConfig, build_model
 from engine.models.weight_alloc import deferred_weights
+from engine.parallel.sharding import ShardedSlot
+from engine.parallel.tensor_parallel import SINGLE_RANK, TensorParallel
 from protocol import Pooling
 from protocol.vision_gguf import GGUFTextModel
 
@@ -73,6 +77,7 @@ def load_model(
     packed_quant: bool | None = None,
     quantize: str | None = None,
     gguf_packed: bool = False,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> LoadedModel:
     """Load a .gguf file, a directory with config.json + *.safetensors, or a
     directory holding exactly one .gguf. progress(fraction, message) is called
@@ -87,13 +92,21 @@ def load_model(
     with gguf_packed (--gguf-weights packed: kernels/gguf_quant.py).
     quantize "fp8": quantize a float checkpoint's projections to FP8 at load
     (our kernels only). An FP8 checkpoint keeps its FP8 matrices in FP8 where
-    our kernels run (kernels/fp8_linear.py) and is dequantized elsewhere."""
+    our kernels run (kernels/fp8_linear.py) and is dequantized elsewhere.
+    tp: load one tensor-parallel rank's share (float weights only for now);
+    the LoadedModel's config is then the rank's view (fewer heads)."""
     checkpoint = open_checkpoint(Path(path))
     pack = _keeps_packed(checkpoint, device, dtype, packed_quant, gguf_packed)
     fp8 = _fp8_slots(checkpoint, device, dtype, quantize, packed_quant)
+    if tp.world_size > 1 and (pack or fp8 is not None):
+        kind = ("quantized GGUF blocks (--gguf-weights packed)" if pack
+                else "FP8 weights (an FP8 checkpoint on our kernels, or --quantize fp8)")
+        raise ValueError(f"{checkpoint.path.name}: tensor parallelism splits float weights "
+                         f"only for now, not {kind}; load it dequantized, or on one device")
     # A packed load allocates the float weights only once it knows which it fills.
     with deferred_weights() if pack or fp8 is not None else nullcontext():
-        model = build_model(checkpoint.config, device, dtype, host_expert_layers, with_mtp)
+        model = build_model(checkpoint.config, device, dtype, host_expert_layers, with_mtp,
+                            tp=tp)
     plan = None
     if isinstance(checkpoint, GGUFCheckpoint) and pack:
         plan = plan_packing(model, checkpoint.stacked_experts, checkpoint.packable_tensors(),
@@ -116,7 +129,8 @@ def load_model(
     gguf_text = (GGUFTextModel.from_metadata(checkpoint.metadata(), checkpoint.path.name)
                  if isinstance(checkpoint, GGUFCheckpoint) and checkpoint.config.mrope_section
                  else None)
-    return LoadedModel(checkpoint.config, model, n_params, checkpoint.size_bytes,
+    # model.config: the checkpoint's, or under tensor parallelism the rank's view.
+    return LoadedModel(model.config, model, n_params, checkpoint.size_bytes,
                        checkpoint.pooling, gguf_text)
 
 
@@ -202,14 +216,18 @@ def _fill_weights(model: CausalLM, checkpoint: Checkpoint, report: _Throttled,
                     f"{checkpoint.path.name}: unexpected tensor {name!r} for "
                     f"{checkpoint.config.architecture}; the checkpoint does not match its config"
                 )
-            if tuple(tensor.shape) != tuple(dest.shape):
+            expected = (dest.checkpoint_shape if isinstance(dest, ShardedSlot)
+                        else tuple(dest.shape))
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"{checkpoint.path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the config implies {tuple(dest.shape)}"
+                    f"the config implies {expected}"
                 )
             if plan is not None and name in plan.targets:
                 # GGUF blocks, FP8 values, or a float tensor to quantize to FP8.
                 plan.fill(name, tensor)
+            elif isinstance(dest, ShardedSlot):
+                dest.fill(tensor)  # this tensor-parallel rank's part of it
             else:
                 dest.copy_(tensor)
             del tensor

@@ -21,6 +21,7 @@ from engine.models.qwen_vl import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
 )
+from engine.parallel.tensor_parallel import SINGLE_RANK, TensorParallel
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.__name__: cls
@@ -63,12 +64,15 @@ def gguf_architecture(name: str, has_experts: bool = False) -> str:
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                host_expert_layers: int = 0, with_mtp: bool = False) -> CausalLM:
+                host_expert_layers: int = 0, with_mtp: bool = False,
+                tp: TensorParallel = SINGLE_RANK) -> CausalLM:
     """A model of config's architecture with uninitialized weights on device,
     but the routed experts of the first host_expert_layers layers (-1: all)
     in host memory. ValueError when those layers have no experts: the option
     asking for it would do nothing. with_mtp: with the checkpoint's MTP head
-    (--spec mtp; ValueError for a model that has none)."""
+    (--spec mtp; ValueError for a model that has none). tp: the
+    tensor-parallel rank to build (engine/parallel/sharding.py; ValueError
+    where the model does not split across its ranks)."""
     if host_expert_layers and not any(
             config.moe is not None and config.moe.is_sparse(layer)
             and experts_on_host(layer, host_expert_layers)
@@ -79,7 +83,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
                   else f"--n-cpu-moe {host_expert_layers}")
         raise ValueError(f"{option}: {config.architecture} {where}; drop the option for "
                          "this model")
-    model = model_class(config.architecture)(config, device, dtype, host_expert_layers)
+    model = model_class(config.architecture)(config, device, dtype, host_expert_layers, tp=tp)
     if with_mtp:
         add_head = getattr(model, "add_mtp_head", None)
         if add_head is None or not config.mtp_layers:

@@ -9,6 +9,12 @@ for a SparseMoE block (engine/models/moe.py); nothing else changes.
 Weights are allocated empty on the target device and filled in place by the
 loaders through weight_destinations(), which names every slot by its Hugging
 Face tensor name, so a checkpoint never exists twice in memory.
+
+Tensor parallelism (engine/parallel/): a model built for one rank of several
+holds that rank's share of each split tensor (ShardPlan), sized by the rank's
+view of the config; o_proj and down_proj sum their partial products over the
+ranks, the embedding sums each rank's vocabulary slice and the logits are
+gathered from them. At world size 1 every collective is a no-op.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from engine.models.config import ModelConfig, MoEConfig
 from engine.models.moe import QWEN_EXPERT_NAMES, ExpertTensorNames, SparseMoE
 from engine.models.multimodal_inputs import MultimodalStepInputs
 from engine.models.weight_alloc import empty_weight
+from engine.parallel.sharding import Destination, ShardPlan, sharded
+from engine.parallel.tensor_parallel import SINGLE_RANK, TensorParallel
 from kernels.reference import build_rope_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -51,9 +59,12 @@ class Attention(nn.Module):
     # (engine/loader/packing.py puts a QuantizedWeight in their place).
     linear_weights: ClassVar[tuple[str, ...]] = ("qkv_weight", "o_weight")
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                 plan: ShardPlan | None = None) -> None:
+        """config: the rank's view (plan.config); plan None: one device."""
         super().__init__()
         self.config = config
+        self.plan = plan or ShardPlan.of(config, SINGLE_RANK)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.qkv_weight = _weight(config.qkv_size, config.hidden_size, **kw)
         self.qkv_bias = _weight(config.qkv_size, **kw) if config.attention_bias else None
@@ -74,21 +85,23 @@ class Attention(nn.Module):
         qkv = ops.linear(hidden, self.qkv_weight, self.qkv_bias)
         out = ops.attention(self.config, qkv, positions, meta, kv_cache, rope_cache,
                             self.q_norm_weight, self.k_norm_weight)
-        return ops.linear(out, self.o_weight, self.o_bias)
+        return self.plan.tp.row_parallel_linear(ops, out, self.o_weight, self.o_bias)
 
-    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
+    def weight_destinations(self, prefix: str) -> dict[str, Destination]:
         q, kv = self.config.q_size, self.config.kv_size
-        slices = {
-            "q_proj": slice(0, q),
-            "k_proj": slice(q, q + kv),
-            "v_proj": slice(q + kv, q + 2 * kv),
+        plan = self.plan
+        # Each part of the fused slot, and the checkpoint rows this rank keeps.
+        parts = {
+            "q_proj": (slice(0, q), plan.q_rows),
+            "k_proj": (slice(q, q + kv), plan.kv_rows),
+            "v_proj": (slice(q + kv, q + 2 * kv), plan.kv_rows),
         }
-        dests = {f"{prefix}.{name}.weight": self.qkv_weight[rows] for name, rows in slices.items()}
+        dests = {f"{prefix}.{name}.weight": sharded(self.qkv_weight[rows], 0, shard)
+                 for name, (rows, shard) in parts.items()}
         if self.qkv_bias is not None:
-            dests.update(
-                {f"{prefix}.{name}.bias": self.qkv_bias[rows] for name, rows in slices.items()}
-            )
-        dests[f"{prefix}.o_proj.weight"] = self.o_weight
+            dests.update({f"{prefix}.{name}.bias": sharded(self.qkv_bias[rows], 0, shard)
+                          for name, (rows, shard) in parts.items()})
+        dests[f"{prefix}.o_proj.weight"] = sharded(self.o_weight, 1, plan.q_rows)
         if self.o_bias is not None:
             dests[f"{prefix}.o_proj.bias"] = self.o_bias
         if self.q_norm_weight is not None:
@@ -101,33 +114,36 @@ class MLP(nn.Module):
     checkpoint_name = "mlp"
     linear_weights: ClassVar[tuple[str, ...]] = ("gate_up_weight", "down_weight")
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                 plan: ShardPlan | None = None) -> None:
+        """config: the rank's view (plan.config); plan None: one device."""
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.plan = plan or ShardPlan.of(config, SINGLE_RANK)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.gate_up_weight = _weight(2 * config.intermediate_size, config.hidden_size, **kw)
         self.down_weight = _weight(config.hidden_size, config.intermediate_size, **kw)
 
     def forward(self, hidden: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_weight)),
-                          self.down_weight)
+        gated = ops.silu_and_mul(ops.linear(hidden, self.gate_up_weight))
+        return self.plan.tp.row_parallel_linear(ops, gated, self.down_weight, None)
 
-    def weight_destinations(self, prefix: str) -> dict[str, torch.Tensor]:
-        size = self.intermediate_size
+    def weight_destinations(self, prefix: str) -> dict[str, Destination]:
+        size, rows = self.intermediate_size, self.plan.mlp_rows
         return {
-            f"{prefix}.gate_proj.weight": self.gate_up_weight[:size],
-            f"{prefix}.up_proj.weight": self.gate_up_weight[size:],
-            f"{prefix}.down_proj.weight": self.down_weight,
+            f"{prefix}.gate_proj.weight": sharded(self.gate_up_weight[:size], 0, rows),
+            f"{prefix}.up_proj.weight": sharded(self.gate_up_weight[size:], 0, rows),
+            f"{prefix}.down_proj.weight": sharded(self.down_weight, 1, rows),
         }
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, mlp: MLP | SparseMoE, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
-        self.self_attn = Attention(config, device, dtype)
+        self.self_attn = Attention(config, device, dtype, plan)
         self.post_attention_norm_weight = _weight(config.hidden_size, device=device, dtype=dtype)
         self.mlp = mlp
 
@@ -154,7 +170,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, ops), residual
 
     def weight_destinations(self, prefix: str, stacked_experts: bool = False
-                            ) -> dict[str, torch.Tensor]:
+                            ) -> dict[str, Destination]:
         mlp_prefix = f"{prefix}.{self.mlp.checkpoint_name}"
         # SparseMoE, and SharedExpertMoE around one (Qwen2-MoE), can take stacks.
         stacked = getattr(self.mlp, "stacked_weight_destinations", None)
@@ -246,23 +262,29 @@ class CausalLM(nn.Module):
         raise ValueError(f"{cls.__name__} GGUF files have no experts")
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 host_expert_layers: int = 0) -> None:
+                 host_expert_layers: int = 0, tp: TensorParallel = SINGLE_RANK) -> None:
         """host_expert_layers: how many of the first layers keep their routed
-        experts in host memory (SparseMoE.host_resident); -1: every layer."""
+        experts in host memory (SparseMoE.host_resident); -1: every layer.
+        tp: the rank to build (ValueError where config does not split); the
+        model's config is then the rank's view (ShardPlan.config)."""
         super().__init__()
+        self.plan = ShardPlan.of(config, tp)
+        config = self.plan.config
         self.config = config
         self.host_expert_layers = host_expert_layers
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
+        vocab_rows = self.plan.vocab_rows.length
+        self.embed_tokens = _weight(vocab_rows, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self._mlp(config, index, device, dtype), device, dtype)
+            DecoderLayer(config, self._mlp(config, index, device, dtype), device, dtype,
+                         self.plan)
             for index in range(config.num_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **kw)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, **kw)
+            else _weight(vocab_rows, config.hidden_size, **kw)
         )
         rope = build_rope_cache(
             config.head_dim,
@@ -281,7 +303,7 @@ class CausalLM(nn.Module):
         if config.moe is not None and config.moe.is_sparse(layer):
             return SparseMoE(config, self.expert_tensor_names, device, dtype,
                              host_resident=experts_on_host(layer, self.host_expert_layers))
-        return MLP(config, device, dtype)
+        return MLP(config, device, dtype, self.plan)
 
     def forward(
         self,
@@ -297,7 +319,8 @@ class CausalLM(nn.Module):
         multimodal: a prefill step's image embeddings, rope table and
         deepstack features (vision-language models); None for text steps."""
         ops = self.ops
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.plan.tp.vocab_embedding(input_ids, self.embed_tokens,
+                                              self.plan.vocab_rows.start)
         rope_cache = self.rope_cache
         deepstack: tuple[torch.Tensor, ...] = ()
         if multimodal is not None:
@@ -322,20 +345,26 @@ class CausalLM(nn.Module):
         """[N, H] -> float32 [N, vocab_size]."""
         # Batch-invariant ops (--deterministic) compute each row's logits alone too.
         if isinstance(self.lm_head, (QuantizedWeight, Fp8Weight)) or self.ops.deterministic:
-            return self.ops.linear(hidden, self.lm_head).float()
-        return F.linear(hidden, self.lm_head).float()
+            logits = self.ops.linear(hidden, self.lm_head).float()
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        # Under tensor parallelism, this rank's vocabulary slice of them.
+        return self.plan.tp.gather_vocab(logits, self.plan.vocab_per_rank,
+                                         self.config.vocab_size)
 
-    def weight_destinations(self, stacked_experts: bool = False) -> dict[str, torch.Tensor]:
+    def weight_destinations(self, stacked_experts: bool = False) -> dict[str, Destination]:
         """Every weight slot (a parameter or a row slice of a fused one) by its
         Hugging Face tensor name; a tied lm_head has no slot of its own.
         stacked_experts: one slot per expert matrix of a layer rather than one
-        per expert (SparseMoE.stacked_weight_destinations)."""
-        dests = {
-            "model.embed_tokens.weight": self.embed_tokens,
+        per expert (SparseMoE.stacked_weight_destinations). Under tensor
+        parallelism a split tensor's slot is a ShardedSlot: the rank's part."""
+        vocab = self.plan.vocab_rows
+        dests: dict[str, Destination] = {
+            "model.embed_tokens.weight": sharded(self.embed_tokens, 0, vocab),
             "model.norm.weight": self.norm_weight,
         }
         if not self.config.tie_word_embeddings:
-            dests["lm_head.weight"] = self.lm_head
+            dests["lm_head.weight"] = sharded(self.lm_head, 0, vocab)
         for index, layer in enumerate(self.layers):
             dests.update(layer.weight_destinations(f"model.layers.{index}", stacked_experts))
         return dests

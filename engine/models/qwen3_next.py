@@ -47,6 +47,8 @@ from engine.models.hybrid_layers import GatedAttention, GatedDeltaNet, StatePool
 from engine.models.mtp_head import MTPHead
 from engine.models.shared_expert_moe import SharedExpertMoE
 from engine.models.weight_alloc import empty_weight
+from engine.parallel.sharding import ShardPlan
+from engine.parallel.tensor_parallel import SINGLE_RANK, TensorParallel
 from kernels.reference import build_rope_cache
 
 if TYPE_CHECKING:
@@ -200,9 +202,11 @@ class HybridCausalLM(CausalLM):
         )
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 host_expert_layers: int = 0) -> None:
+                 host_expert_layers: int = 0, tp: TensorParallel = SINGLE_RANK) -> None:
         # Builds its own layers: CausalLM.__init__ would build plain decoder layers.
         nn.Module.__init__(self)
+        # ValueError for tp of several ranks: hybrid layers are not split (yet).
+        self.plan = ShardPlan.of(config, tp)
         self.config = config
         self.host_expert_layers = host_expert_layers
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
