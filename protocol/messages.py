@@ -22,7 +22,7 @@ from protocol.sampling import FinishReason, SamplingParams
 
 # Bumped whenever a message changes shape; Ready carries the engine's value and
 # the router refuses an engine that speaks another one.
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 _STRUCT: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
 
@@ -305,11 +305,13 @@ class EngineStats(msgspec.Struct, **_STRUCT):
     # Files found damaged or foreign (deleted); pages not written (a full
     # disk, a write error, the writer behind); pages not written because
     # their parent was not on disk (orphans); restores cut short by the
-    # deadline; seconds spent reading pages back.
+    # deadline; restores not started, judged slower than computing the same
+    # tokens; seconds spent reading pages back.
     disk_kv_corrupt_pages_total: int = 0
     disk_kv_dropped_pages_total: int = 0
     disk_kv_orphan_pages_total: int = 0
     disk_kv_deadline_hits_total: int = 0
+    disk_kv_skipped_total: int = 0
     disk_kv_restore_seconds_total: float = 0.0
     # Admissions that reused the leading tokens of one more page after their
     # whole pages (engine/kv/partial_pages.py), and the tokens so reused.

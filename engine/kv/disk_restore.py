@@ -18,7 +18,9 @@ reads before it are still waited for). A restore ends when every page
 wanted is read, or at its deadline (--disk-kv-restore-ms): the request is
 then admitted with the prefix read so far and computes the rest; a read
 still in progress at that point finishes into the host tier as an
-ordinary cached page, or frees its slot.
+ordinary cached page, or frees its slot. Each restore's bytes read over its
+wall time are a sample of the disk's read rate (engine/kv/restore_cost.py,
+which KVManager asks before starting one).
 
 Reads are submitted a window at a time (READ_AHEAD_BYTES of slots reserved
 ahead of the readers), so a long restore into a full host tier evicts host
@@ -38,6 +40,7 @@ from engine.kv.disk_pages import PageRead
 from engine.kv.disk_reader import READER_THREADS, ReadJob
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier
+from engine.kv.restore_cost import RestoreCost
 
 # Host slots reserved for reads not yet done, per restore, at most.
 READ_AHEAD_BYTES = 256 * 2**20
@@ -76,11 +79,13 @@ Promote = Callable[[int, bytes, bytes, tuple[int, ...]], "int | None"]
 
 class DiskRestores:
     def __init__(self, disk: DiskTier, host: HostTier, pool: BlockPool,
-                 promote: Promote | None = None) -> None:
+                 promote: Promote | None = None, cost: RestoreCost | None = None) -> None:
         self.disk = disk
         self.host = host
         self.pool = pool
         self.promote = promote
+        # Told each restore's bytes read and wall time (its read rate).
+        self.cost = cost
         self.read_ahead = max(2 * READER_THREADS, READ_AHEAD_BYTES // disk.page_bytes)
         self._by_request: dict[str, DiskRestore] = {}
         # Jobs handed to the readers and not yet taken back: their slots are
@@ -218,7 +223,10 @@ class DiskRestores:
     def _end(self, restore: DiskRestore) -> None:
         restore.ended = True
         restore.to_read.clear()
-        self.disk.counters.restore_seconds += time.monotonic() - restore.started
+        seconds = time.monotonic() - restore.started
+        self.disk.counters.restore_seconds += seconds
+        if self.cost is not None:
+            self.cost.note_read(len(restore.read) * self.disk.file_bytes, seconds)
 
     def finish(self, request_id: str) -> None:
         """The request is admitted (its pages referenced by it now, its read

@@ -131,6 +131,10 @@ class DiskCounters:
     orphan_pages: int = 0
     # Restores cut short by --disk-kv-restore-ms.
     deadline_hits: int = 0
+    # Restores not started: judged slower than computing the same tokens
+    # (engine/kv/restore_cost.py); the prefix was computed from its first
+    # disk page on (each also counted in misses).
+    skipped: int = 0
     # Seconds requests waited for their restores (start to end, summed; the
     # reads run off the engine's loop, which steps the others meanwhile).
     restore_seconds: float = 0.0

@@ -21,7 +21,11 @@ starts reading those pages into host slots off the engine's loop
 (engine/kv/disk_restore.py) and refuses it for now: it waits, skipped by
 admission (is_restoring), until they are read or its restore deadline
 passes, and is then admitted with the pages read, copied on to the device
-as host pages are; the pages not read are computed.
+as host pages are; the pages not read are computed. A restore starts only
+where it is expected to end sooner than computing the same tokens, from
+the read and prefill rates measured so far (engine/kv/restore_cost.py);
+else the prefix is admitted at once up to its first disk page, the rest
+computed, and counted as a skipped restore (disk_kv_skipped).
 
 Each admission's cached tokens are counted once, in the tier that served
 them (a page read from the disk is the disk's hit, not the host's too), and
@@ -48,6 +52,7 @@ from engine.kv.disk_restore import DiskRestores
 from engine.kv.disk_tier import DiskTier
 from engine.kv.host_tier import HostTier, KVTransfers
 from engine.kv.partial_pages import PartialHit, PartialPages, partial_hash
+from engine.kv.restore_cost import RestoreCost
 from engine.kv.state_checkpoints import Place, StateCheckpoints
 from engine.scheduling.sequence import Sequence
 from protocol import CacheHits, SamplingParams
@@ -84,13 +89,17 @@ class KVManager:
         if host is not None:
             pool.on_evict = host.offload
         self.restores: DiskRestores | None = None
-        # Requests whose restore waits for the one under way (their ids).
+        # Requests whose restore waits for the one under way (their ids;
+        # judged worth restoring already).
         self._next_restores: set[str] = set()
+        # Whether a restore would beat computing (with a disk tier).
+        self.restore_cost: RestoreCost | None = None
         if disk is not None:
             assert host is not None, "the disk tier takes its pages from the host tier"
             host.on_evict = disk.spill
             host.below = disk  # chains leave the host tier head first
-            self.restores = DiskRestores(disk, host, pool, self.promote)
+            self.restore_cost = RestoreCost()
+            self.restores = DiskRestores(disk, host, pool, self.promote, self.restore_cost)
         self.page_size = pool.page_size
         self.fingerprint = fingerprint
         self.output_window = output_window
@@ -158,20 +167,24 @@ class KVManager:
             assert restores is not None
             if self.is_restoring(seq):
                 return False
-            if not restores.has(seq.request_id) and restores.busy:
-                # One restore at a time: another request's holds pages until
-                # it is admitted, and two such could hold what both need.
-                self._next_restores.add(seq.request_id)
-                return False
-            self._next_restores.discard(seq.request_id)
-            if not restores.has(seq.request_id) and restores.start(
-                    seq.request_id, [entry.page for entry in prefix if entry.page is not None],
-                    [entry.page_hash for entry in prefix if entry.slot is not None],
-                    [(prefix[i - 1].page_hash if i else ROOT_HASH, entry.page_hash,
-                      tuple(entry.tokens)) for i, entry in enumerate(prefix)
-                     if i >= first_disk and entry.on_disk]):
-                return False
-            # Not read (past the deadline, damaged, no slot): computed.
+            if not restores.has(seq.request_id) and self._worth_restoring(seq, prefix,
+                                                                           first_disk):
+                if restores.busy:
+                    # One restore at a time: another request's holds pages
+                    # until it is admitted, and two such could hold what
+                    # both need.
+                    self._next_restores.add(seq.request_id)
+                    return False
+                self._next_restores.discard(seq.request_id)
+                if restores.start(
+                        seq.request_id, [entry.page for entry in prefix if entry.page is not None],
+                        [entry.page_hash for entry in prefix if entry.slot is not None],
+                        [(prefix[i - 1].page_hash if i else ROOT_HASH, entry.page_hash,
+                          tuple(entry.tokens)) for i, entry in enumerate(prefix)
+                         if i >= first_disk and entry.on_disk]):
+                    return False
+            # Not read (judged slower than computing, past the deadline,
+            # damaged, no slot): computed.
             prefix, stopped, hit = prefix[:first_disk], True, None
         if restores is not None and restores.has(seq.request_id):
             read = restores.read_pages(seq.request_id)
@@ -229,6 +242,29 @@ class KVManager:
             counters.restored_tokens += seq.num_computed_tokens
             counters.restored_from_host += restore.host
         return True
+
+    def _worth_restoring(self, seq: Sequence, prefix: list[PrefixPage], first_disk: int
+                         ) -> bool:
+        """Whether to read seq's disk pages rather than compute every token
+        from the first of them on (the pages after it are reachable only
+        through it); a restore judged slower is counted as skipped. Asked
+        once per admission: a request waiting for the restore under way was
+        judged worth it already."""
+        if seq.request_id in self._next_restores:
+            return True
+        assert self.restore_cost is not None and self.disk is not None
+        disk_pages = sum(1 for entry in prefix[first_disk:] if entry.on_disk)
+        if self.restore_cost.should_restore(disk_pages * self.disk.file_bytes,
+                                            (len(prefix) - first_disk) * self.page_size):
+            return True
+        self.disk.counters.skipped += 1
+        return False
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A step computed tokens of prompts in seconds (its prefill share):
+        the compute side of restore_cost's verdicts."""
+        if self.restore_cost is not None:
+            self.restore_cost.note_prefill(tokens, seconds)
 
     def _resume_point(self, seq: Sequence, prefix: list[PrefixPage], hit: PartialHit | None
                       ) -> tuple[list[PrefixPage], PartialHit | None, Place | None]:

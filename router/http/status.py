@@ -106,6 +106,7 @@ def _counters(slot: ModelSlot) -> dict[str, int]:
         "disk_kv_dropped_pages": int(totals["disk_kv_dropped_pages_total"]),
         "disk_kv_orphan_pages": int(totals["disk_kv_orphan_pages_total"]),
         "disk_kv_deadline_hits": int(totals["disk_kv_deadline_hits_total"]),
+        "disk_kv_skipped": int(totals["disk_kv_skipped_total"]),
         # Of cached_prompt_tokens, those reused to the token from a page
         # beyond the whole pages (engine/kv/partial_pages.py).
         "partial_kv_hits": int(totals["partial_kv_hits_total"]),

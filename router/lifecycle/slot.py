@@ -58,7 +58,7 @@ COUNTERS = (
     "disk_kv_written_pages_total", "disk_kv_evicted_pages_total", "disk_kv_bytes_read_total",
     "disk_kv_bytes_written_total", "disk_kv_corrupt_pages_total", "disk_kv_dropped_pages_total",
     "disk_kv_orphan_pages_total",
-    "disk_kv_deadline_hits_total", "disk_kv_restore_seconds_total",
+    "disk_kv_deadline_hits_total", "disk_kv_skipped_total", "disk_kv_restore_seconds_total",
     "partial_kv_hits_total", "partial_kv_hit_tokens_total",
     "draft_tokens_total", "draft_accepted_tokens_total",
 )

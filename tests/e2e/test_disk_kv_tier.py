@@ -44,10 +44,12 @@ def test_a_restart_serves_the_prefix_from_the_disk_tier(
                    "the disk tier's hits to be published", server)
         after: dict[str, int] = counters(server)
         assert after["disk_kv_hit_tokens"] == cached == after["cached_prompt_tokens"]
-        assert after["disk_kv_corrupt_pages"] == 0
+        # Right after the restart nothing is measured: the restore went ahead.
+        assert after["disk_kv_corrupt_pages"] == after["disk_kv_skipped"] == 0
         metrics = server.get("/metrics").text
         assert (f'roundhouse:disk_kv_hit_tokens_total{{model="tiny-qwen3"}} '
                 f"{float(cached)}") in metrics
         assert 'roundhouse:disk_kv_pages{model="tiny-qwen3"}' in metrics
+        assert 'roundhouse:disk_kv_skipped_total{model="tiny-qwen3"} 0.0' in metrics
 
 

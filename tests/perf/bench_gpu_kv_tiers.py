@@ -47,7 +47,9 @@ turn) but a quarter of its 32 and half its 8 turns: a 195k-token working set
 returning conversation); "disk" reads pages back on two reader threads
 (each page checksummed on one core) while the engine steps the other
 conversations, one restore at a time, a returning turn waiting for at most
---disk-restore-ms (the engine's 300 ms) before it computes the rest:
+--disk-restore-ms (the engine's 300 ms) before it computes the rest, or
+computing at once where the engine has measured the disk slower than its
+prefill (engine/kv/restore_cost.py; the "skipped" column, probes aside):
 ~1-6 s a returning turn, 25-120 s; "restart" the same for the 8 first
 turns, then the host tier: 15-50 s; four engine builds and pinning
 the host tiers ~50 s. About 3 minutes, 4.5 at worst: no configuration
@@ -284,7 +286,8 @@ def print_table(results: dict[str, Any]) -> None:
           f"x {results['turns']} turns, working set {results['working_set_tokens']} tokens, "
           f"device pool {results['device_pool_tokens']}")
     print(f"{'config':8} {'computed':>10} {'cached':>10} {'TTFT mean':>10} {'p95':>8} "
-          f"{'total s':>8} {'host hit':>9} {'disk hit':>9} {'partial':>8} {'deadline':>8}")
+          f"{'total s':>8} {'host hit':>9} {'disk hit':>9} {'partial':>8} {'deadline':>8} "
+          f"{'skipped':>8}")
     for config in CONFIGS:
         row = results["configs"].get(config)
         if row is None:
@@ -295,7 +298,7 @@ def print_table(results: dict[str, Any]) -> None:
               f"{row['ttft_mean_s'] * 1e3:>8.0f}ms {row['ttft_p95_s'] * 1e3:>6.0f}ms "
               f"{row['total_s']:>8.1f} {c['host_kv_hit_tokens_total']:>9} "
               f"{c['disk_kv_hit_tokens_total']:>9} {c['partial_kv_hit_tokens_total']:>8} "
-              f"{c['disk_kv_deadline_hits_total']:>8}")
+              f"{c['disk_kv_deadline_hits_total']:>8} {c['disk_kv_skipped_total']:>8}")
     if any(row["capped"] for row in results["configs"].values()):
         print(f"* stopped submitting turns after {results['sizes']['max_config_seconds']:g} s")
     back = results["configs"].get("host", {}).get("returning")

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol import EngineStats
 from router.catalog import Catalog, CatalogEntry
 from router.config import ServeConfig
+from router.http.status import model_load
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.slot import ModelSlot, ModelState
 from router.observability.metrics import ServerMetrics
@@ -157,6 +158,27 @@ def test_counters_stay_monotonic_across_engine_restarts() -> None:
         samples, _ = scrape(metrics)
         assert value(samples, "llamacpp:tokens_predicted_total", model="a") == 108
         assert value(samples, "roundhouse:model_unloads_total", model="a") == 1
+
+    run(scenario, "a")
+
+
+def test_the_disk_tiers_restore_counters_reach_metrics_and_load_across_restarts() -> None:
+    async def scenario(manager: ModelManager, metrics: ServerMetrics) -> None:
+        slot = manager.slots["a"]
+        await manager.load(slot)
+        FakeEngine.started[0].client.stats = EngineStats(disk_kv_deadline_hits_total=3,
+                                                         disk_kv_skipped_total=5)
+        FakeEngine.started[0].die()
+        await until(lambda: slot.failed)
+        await manager.load(slot)
+        FakeEngine.started[1].client.stats = EngineStats(disk_kv_deadline_hits_total=1,
+                                                         disk_kv_skipped_total=2)
+        samples, types = scrape(metrics)
+        assert types["roundhouse:disk_kv_skipped_total"] == "counter"
+        assert value(samples, "roundhouse:disk_kv_skipped_total", model="a") == 7
+        assert value(samples, "roundhouse:disk_kv_deadline_hits_total", model="a") == 4
+        counters = model_load(manager, slot)["counters"]  # /v1/load and /stats
+        assert (counters["disk_kv_skipped"], counters["disk_kv_deadline_hits"]) == (7, 4)
 
     run(scenario, "a")
 
