@@ -1,20 +1,29 @@
 """How many tokens one row drafts next (issue 16's adaptive speculation).
 
 A verify step that carries k draft tokens costs more than a plain decode
-step and pays only in the drafts it keeps. The cost, in plain steps:
-- VERIFY_COST per draft token: the target computes k more positions;
-- STEP_COST per drafting step: the drafter's lookup, and on a GPU the
+step and pays only in the drafts it keeps. The cost, in a row's share of a
+plain step:
+- verify_cost per draft token: the target computes k more positions;
+- step_cost per drafting step: the drafter's lookup, and on a GPU the
   loop's lost overlap (it completes the step in flight before it schedules
-  while any row may draft, engine/scheduling/core.py) and no CUDA graph.
+  while any row may draft, engine/scheduling/core.py).
+Both are measured online from the loop's step times (DraftCosts, one per
+scheduler: engine/sampling/draft_cost.py), since they depend on the
+hardware, the model and the batch; until enough steps are measured they are
+the constants VERIFY_COST and STEP_COST, measured on the CPU at batch 1.
 So a row with per-position acceptance p (draft token i is kept with
 probability p^i: every token before it must be kept too) expects
-(1 + p + ... + p^k) tokens for 1 + STEP_COST + k * VERIFY_COST steps. Each
+(1 + p + ... + p^k) tokens for 1 + step_cost + k * verify_cost shares. Each
 row keeps p as a decaying average of its own verified positions and drafts
-the k in 1..K that maximises that ratio; when no k is MIN_GAIN better than
-not drafting at all, the row stops drafting and probes again, with a
-single draft token, after a back-off of plain steps that doubles at each
-failed probe (up to a cap), so that a row whose text starts copying later
-resumes, and one that never copies costs almost nothing.
+the k in 1..K that maximises that ratio (best_length, with the engine's
+costs of the moment); when no k is MIN_GAIN better than not drafting at
+all, the row stops drafting and probes again, with a single draft token,
+after a back-off of plain steps that doubles at each failed probe (up to a
+cap), so that a row whose text starts copying later resumes, and one that
+never copies costs almost nothing. A probe assumes an acceptance a little
+above the least at which best_length drafts with the current costs
+(probe_acceptance), so that a kept probe lifts the row to drafting and a
+missed one turns it off again. (The figures below are the constants'.)
 
 A new row starts from the engine's acceptance (DraftAcceptance, one per
 scheduler: the same decaying average over every row's verified positions,
@@ -47,15 +56,24 @@ a row that never finds a match backs off like one whose matches are wrong.
 
 from __future__ import annotations
 
-# Measured on the CPU path (docs/performance.md, SmolLM2-135M, two cores):
-# a plain step takes 31-35 ms and every verified draft token adds 6-7 ms.
-# On a GPU at small batches a position costs much less (the weights are read
-# once for all of them), so there this overestimates the cost: drafts come
-# out shorter than they could, never dearer than they pay.
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sampling.draft_cost import DraftCosts
+
+# The costs until the engine has measured its own (DraftCosts), and those
+# of a row made without it. Measured on the CPU path (docs/performance.md,
+# SmolLM2-135M, two cores, batch 1): a plain step takes 31-35 ms and every
+# verified draft token adds 6-7 ms. On the H200 they are wrong both ways: at
+# batch 1 a position costs much less (the weights are read once for all of
+# them), at the 0.6B shape and batch 32 about 0.5 of a row's share.
 VERIFY_COST = 0.2
-# The fixed part, a hedge: nothing measurable on the CPU (the n-gram lookup
-# is tens of microseconds); on a GPU the lost host/device overlap, which
-# grows with the host's share of a step.
+# The fixed part, a hedge: on a GPU the lost host/device overlap, which
+# grows with the host's share of a step. (Measured online on the same CPU
+# on 2026-12-02 it came out larger, about 0.6 of a plain step: a step with
+# one draft token took 25 ms more than a 43 ms plain one, the first extra
+# row through the float32 matmuls costing more than the ones after it.)
 STEP_COST = 0.1
 # Draft only where the expected gain is at least this: p is an estimate from
 # a handful of positions, and the worst case should cost at most about 5%.
@@ -78,10 +96,14 @@ PRIOR_WEIGHT = 4.0
 # tokens into an answer ("Here is the file: ...").
 FIRST_BACKOFF = 16
 MAX_BACKOFF = 128
-# What a probe assumes: above the one-token threshold (0.365 with the costs
-# above), so that a kept probe lifts the row to two tokens (p = 0.53) and a
-# missed one turns it off again (p = 0.31).
-PROBE_ACCEPTANCE = 0.4
+# What a probe assumes: this much above the least acceptance at which
+# best_length drafts with the current costs (0.365 with the constants:
+# 0.40), so that a kept probe lifts the row to drafting (with the
+# constants, two tokens at p = 0.53) and a missed one turns it off again
+# (p = 0.31). After a probe, p is (0.9 * 4 * q + 1) / 4.6 if it was kept
+# and 0.78 * q if not (DECAY, PRIOR_WEIGHT): above the threshold for any
+# threshold up to 1, and below it for any margin under 1.28.
+PROBE_MARGIN = 1.1
 # The engine's estimate averages about the last ENGINE_WINDOW verified
 # positions of all rows: short enough to follow a change of workload within
 # a few requests (see above), long enough that one request's stray kept
@@ -114,22 +136,25 @@ class DraftAcceptance:
 class DraftLength:
     """One row's next draft length, from the acceptance of its recent drafts."""
 
-    __slots__ = ("_accepted", "_backoff", "_engine", "_positions", "length", "max_tokens",
-                 "resume_at", "switch_offs")
+    __slots__ = ("_accepted", "_backoff", "_costs", "_engine", "_positions", "length",
+                 "max_tokens", "resume_at", "switch_offs")
 
     def __init__(self, max_tokens: int, engine: DraftAcceptance | None = None,
-                 now: int = 0) -> None:
+                 now: int = 0, costs: DraftCosts | None = None) -> None:
         """A row that may draft max_tokens, starting from the engine's
-        acceptance (None: p = 1) in the step the scheduler's clock calls now."""
+        acceptance (None: p = 1) in the step the scheduler's clock calls now,
+        its lengths weighed with the engine's measured costs (None: the
+        constants)."""
         assert max_tokens > 0
         self.max_tokens = max_tokens
         self._engine = engine
+        self._costs = costs
         start = 1.0 if engine is None else engine.acceptance
         # Decayed counts of verified positions and of those accepted: p is
         # their ratio.
         self._positions = PRIOR_WEIGHT
         self._accepted = start * PRIOR_WEIGHT
-        self.length = best_length(start, max_tokens)  # 0 while switched off
+        self.length = best_length(start, max_tokens, *self._current_costs())  # 0: off
         self.resume_at = 0  # the clock's step from which a switched-off row probes
         self._backoff = FIRST_BACKOFF
         self.switch_offs = 0
@@ -154,7 +179,8 @@ class DraftLength:
         if self.length == 0 and now >= self.resume_at:
             # Probe with a single token.
             self._positions = PRIOR_WEIGHT
-            self._accepted = PROBE_ACCEPTANCE * PRIOR_WEIGHT
+            self._accepted = probe_acceptance(self.max_tokens,
+                                              *self._current_costs()) * PRIOR_WEIGHT
             self.length = 1
         return self.length
 
@@ -171,7 +197,7 @@ class DraftLength:
         if proposed and accepted == proposed:
             # Every draft kept: the row copies; a later switch-off waits little.
             self._backoff = FIRST_BACKOFF
-        self.length = best_length(self.acceptance, self.max_tokens)
+        self.length = best_length(self.acceptance, self.max_tokens, *self._current_costs())
         if self.length == 0:
             # On the scheduler's clock, rounded up to a multiple of the
             # back-off (16 times a power of two): switched-off rows probe in
@@ -182,6 +208,10 @@ class DraftLength:
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
             self.switch_offs += 1
 
+    def _current_costs(self) -> tuple[float, float]:
+        """(verify_cost, step_cost): the engine's measured ones, or the constants."""
+        return (VERIFY_COST, STEP_COST) if self._costs is None else self._costs.costs
+
     def _observe(self, kept: float) -> None:
         self._positions = DECAY * self._positions + 1.0
         self._accepted = DECAY * self._accepted + kept
@@ -189,15 +219,18 @@ class DraftLength:
             self._engine.observe(kept)
 
 
-def best_length(acceptance: float, max_tokens: int) -> int:
+def best_length(acceptance: float, max_tokens: int, verify_cost: float = VERIFY_COST,
+                step_cost: float = STEP_COST) -> int:
     """The draft length in 1..max_tokens with the most tokens per step's cost
-    at this per-position acceptance, or 0 when none gains more than MIN_GAIN."""
+    at this per-position acceptance, or 0 when none gains more than MIN_GAIN;
+    the costs in a row's share of a plain step (the module's docstring)."""
     best, best_gain, last_gain = 0, MIN_GAIN, 0.0
     expected, kept = 1.0, 1.0  # tokens per step with k drafts; p^k
+    fixed = 1.0 + step_cost
     for k in range(1, max_tokens + 1):
         kept *= acceptance
         expected += kept
-        gain = expected / (1.0 + STEP_COST + k * VERIFY_COST)
+        gain = expected / (fixed + k * verify_cost)
         if gain < last_gain:
             # Past its peak: the gain only falls from here (the expected
             # tokens grow ever less per draft token, the cost as much).
@@ -206,3 +239,32 @@ def best_length(acceptance: float, max_tokens: int) -> int:
             best, best_gain = k, gain
         last_gain = gain
     return best
+
+
+def draft_threshold(max_tokens: int, verify_cost: float = VERIFY_COST,
+                    step_cost: float = STEP_COST) -> float:
+    """The least per-position acceptance at which best_length drafts with
+    these costs, within 2^-12 above (1.0 where not even p = 1 pays). With
+    a large step_cost it is a longer draft that pays first, not one token,
+    so it is searched, not solved for k = 1. (best_length drafts at p iff
+    some k's gain exceeds MIN_GAIN; each gain grows with p, so that holds
+    above a threshold.)"""
+    if best_length(1.0, max_tokens, verify_cost, step_cost) == 0:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(12):
+        middle = 0.5 * (low + high)
+        if best_length(middle, max_tokens, verify_cost, step_cost):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+# Cached: the rows that probe together in a step ask with the same costs,
+# and a search is a dozen best_length calls.
+@lru_cache(maxsize=32)
+def probe_acceptance(max_tokens: int, verify_cost: float = VERIFY_COST,
+                     step_cost: float = STEP_COST) -> float:
+    """The acceptance a probing row assumes (PROBE_MARGIN above the threshold)."""
+    return min(1.0, PROBE_MARGIN * draft_threshold(max_tokens, verify_cost, step_cost))

@@ -49,6 +49,11 @@ budget's where a forced token would fall (Scheduler.cut_draft); the masks of
 its draft positions are filled while the device runs the verify step's
 forward pass (ModelRunner.forward's draft_masks), and its matcher takes all
 the tokens the step emitted for it when the step completes.
+What drafting costs is measured from the loop's own step times: each
+decode-only step's interval from the step before it, with its rows and
+drafts and whether it ran without overlap, goes to the scheduler's
+DraftCosts (engine/sampling/draft_cost.py), which every row's draft length
+weighs (engine/scheduling/step_times.py says which steps count and how).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from engine.scheduling.media import SequenceMedia
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.scheduling.sequence import SeqStatus, Sequence
 from engine.scheduling.slot_actions import SlotActions
+from engine.scheduling.step_times import StepTimes
 from protocol import (
     MAX_TOP_LOGPROBS,
     Abort,
@@ -128,6 +134,14 @@ class InFlight:
     pooled: PooledVectors | None = None
     # The target's tokens at its draft positions (StepForward.verified).
     verified: SampledTokens | None = None
+    # Launched with no step in flight: the device idled while the host
+    # scheduled it (the loop completed the step before first).
+    synchronous: bool = False
+    # Off a CUDA device only: when its tokens were ready (its sampling
+    # returned) and the loop's time outside step() before that
+    # (engine/scheduling/step_times.py).
+    ready_at: float = 0.0
+    outside: float = 0.0
 
 
 def _drafted_tokens(sampling: list[ScheduledChunk], sampled: list[int],
@@ -191,6 +205,8 @@ class EngineCore:
         self.step_count = 0
         self._in_flight: InFlight | None = None
         self._last_completed_at = 0.0
+        # Decode steps timed for the draft costs; a CUDA device runs behind the host.
+        self.step_times = StepTimes(scheduler, asynchronous=runner.device.type == "cuda")
         self._pending: list[RequestOutput] = []
         self._stats = EngineStats(kv_pages_total=scheduler.kv.pool.num_pages)
         self._stopping = False
@@ -436,6 +452,13 @@ class EngineCore:
     def step(self) -> None:
         """One turn of the pipeline: launch the next step, complete the one
         before it (see the module's docstring)."""
+        self.step_times.enter()
+        try:
+            self._turn()
+        finally:
+            self.step_times.leave()
+
+    def _turn(self) -> None:
         flight = self._in_flight
         if flight is not None and (flight.verified is not None or self.scheduler.wants_drafts()):
             # A row can draft only once the step in flight is on the host, and
@@ -458,6 +481,7 @@ class EngineCore:
         parts: list[tuple[list[int] | None, SampledTokens]] = []
         put_off: list[int] = []
         if not out.is_empty:
+            synchronous = self._in_flight is None
             launched_at = time.perf_counter()
             forward = self.runner.forward(out, self._draft_masks(out))
             first_slot = self.runner.future.next_slots()
@@ -481,7 +505,8 @@ class EngineCore:
                 parts.append((rows, self._sample(out, forward, first_slot, mask, rows)))
             # MTP drafting's head runs over the step's rows (all sampled now).
             self.runner.after_sampling(out, forward)
-            launched = self._launched(out, parts, forward, launched_at)
+            launched = self._launched(out, parts, forward, launched_at, synchronous)
+            self.step_times.launched(launched)
             self.step_count += 1
         self._in_flight = launched
         self._publish()
@@ -524,7 +549,7 @@ class EngineCore:
         return tokens
 
     def _launched(self, out: SchedulerOutput, tokens: list[tuple[list[int] | None, SampledTokens]],
-                  forward: StepForward, launched_at: float) -> InFlight:
+                  forward: StepForward, launched_at: float, synchronous: bool) -> InFlight:
         # Decode rows compute the newest token of a sequence that already has
         # output; the rest of the batch is prompt (or recomputed) tokens.
         # (A verify chunk is a decode row with its draft.)
@@ -539,7 +564,8 @@ class EngineCore:
                           else chunk.seq.num_output_tokens == 0)]
         scores = [(out.chunks[index], chunk_scores) for index, chunk_scores in forward.scores]
         return InFlight(out, tokens, reporting, out.num_tokens - decode_tokens, decode_tokens,
-                        launched_at, scores, pooled=forward.pooled, verified=forward.verified)
+                        launched_at, scores, pooled=forward.pooled, verified=forward.verified,
+                        synchronous=synchronous)
 
     def _complete(self, flight: InFlight) -> None:
         """Take a launched step's tokens and apply them."""
@@ -622,11 +648,15 @@ class EngineCore:
         # or from the completion of the step before if that came later.
         seconds = now - max(flight.launched_at, self._last_completed_at)
         self._last_completed_at = now
+        self.step_times.completed(flight, now)
         num_tokens = flight.prefill_tokens + flight.decode_tokens
         # The step's wall time, shared between prefill and decode by token
         # count: llama.cpp's prompt/predicted seconds for a mixed batch.
+        prefill_seconds = seconds * flight.prefill_tokens / num_tokens
         stats.prefill_tokens_total += flight.prefill_tokens
-        stats.prefill_seconds_total += seconds * flight.prefill_tokens / num_tokens
+        stats.prefill_seconds_total += prefill_seconds
+        # The prefill rate a disk restore is weighed against (restore_cost.py).
+        self.scheduler.kv.note_prefill(flight.prefill_tokens, prefill_seconds)
         stats.decode_seconds_total += seconds * flight.decode_tokens / num_tokens
         stats.forward_passes_total += 1
         stats.busy_slots_total += len(flight.out.chunks)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.kv_manager import KVManager, takes_hits
 from engine.kv.state_checkpoints import RowCopy
+from engine.sampling.draft_cost import DraftCosts
 from engine.sampling.draft_length import DraftAcceptance, DraftLength
 from engine.sampling.drafter import Drafter, DraftRow, may_draft
 from engine.sampling.verify import accept_drafts
@@ -143,6 +144,9 @@ class Scheduler:
         self.clock = 0
         # Every row's verified positions: where a new row's draft length starts.
         self.draft_acceptance = DraftAcceptance()
+        # What drafting costs here, measured from the engine's step times
+        # (EngineCore._account): what every row's draft length weighs.
+        self.draft_costs = DraftCosts()
         # The engine's cut of a row's draft (EngineCore sets it): before the
         # first token its grammar refuses, or a position whose token a
         # reasoning budget forces; None: drafts are kept whole.
@@ -175,8 +179,12 @@ class Scheduler:
         only once every token of it is on the host, so the engine completes
         the step in flight before scheduling (engine/scheduling/core.py).
         Rows whose drafts do not pay are switched off for a while
-        (engine/sampling/draft_length.py), so the loop overlaps again."""
-        return self.drafter is not None and any(
+        (engine/sampling/draft_length.py), so the loop overlaps again; so
+        are all while the costs' calibration pauses drafting
+        (engine/sampling/draft_cost.py)."""
+        if self.drafter is None or self.draft_costs.pauses(self.clock + 1):
+            return False
+        return any(
             not seq.is_prefilling and may_draft(seq.params)
             and seq.draft_length is not None and seq.draft_length.allows(self.clock)
             for seq in self.running) and self._may_verify_next()
@@ -265,7 +273,7 @@ class Scheduler:
                 # probes on the clock's next back-off boundary from here,
                 # with the rows admitted near it, however long it queued.
                 seq.draft_length = DraftLength(self.draft_tokens, self.draft_acceptance,
-                                               self.clock)
+                                               self.clock, self.draft_costs)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             count = self._chunk_tokens(seq, budget)
@@ -308,13 +316,15 @@ class Scheduler:
         and the free token after it must fit. Each row drafts at most its
         DraftLength's limit, which learns from what the row's drafts keep."""
         assert self.drafter is not None
+        if self.draft_costs.pauses(self.clock):
+            return budget  # plain steps to measure (engine/sampling/draft_cost.py)
         if self.max_verify_rows:
             if not self._may_verify_next():
                 return budget
             budget = min(budget, self.max_verify_rows - len(out.chunks))
         batched = self._propose_batch(out, budget) if hasattr(self.drafter, "propose_batch") \
             else None
-        for chunk in out.chunks:
+        for chunk in self._draft_order(out):
             if budget <= 0:
                 break
             seq = chunk.seq
@@ -336,6 +346,19 @@ class Scheduler:
                 chunk.num_tokens += len(draft)
                 budget -= len(draft)
         return budget
+
+    def _draft_order(self, out: SchedulerOutput) -> list[ScheduledChunk]:
+        """The step's rows in the order they take the draft budget: from a
+        row that moves on by one every step. A budget that runs out before
+        the last row (a verify step's max_verify_rows) then leaves different
+        rows without a draft each step; in running order the same rows would
+        always draft and the rest, one token a step dearer than a plain one,
+        would finish last and hold the batch's end back."""
+        chunks = out.chunks
+        if len(chunks) < 2:
+            return chunks
+        first = self.clock % len(chunks)
+        return chunks[first:] + chunks[:first]
 
     @staticmethod
     def _drafts_now(seq: Sequence) -> bool:
@@ -371,7 +394,7 @@ class Scheduler:
         position) for the rows _add_drafts asks, by request id, each within
         the budget left if every row before it takes its whole draft."""
         rows: list[DraftRow] = []
-        for chunk in out.chunks:
+        for chunk in self._draft_order(out):
             seq = chunk.seq
             if budget <= 0:
                 break

@@ -14,6 +14,7 @@ import protocol as p
 from engine.loader import LoadedModel, load_model
 from engine.process.bootstrap import assemble_engine, build_engine, resolve_dtype
 from engine.scheduling.core import EngineCore
+from tests.engine.fixed_costs import FixedCosts
 
 # Small steps and pages: prompts span several prefill chunks and KV pages.
 SMALL_STEPS: dict[str, object] = {"max_batched_tokens": 24, "page_size": 8, "max_concurrency": 4,
@@ -24,6 +25,7 @@ def make_engine(model: Path, **options: object) -> tuple[EngineCore, list[p.Engi
     events: list[p.EngineEvent] = []
     launch = p.EngineOptions(**options)  # type: ignore[arg-type]
     core, _ = build_engine(model, launch, lambda fraction, message: None, events.append)
+    core.scheduler.draft_costs = FixedCosts()  # tests/engine/fixed_costs.py says why
     return core, events
 
 
@@ -52,6 +54,7 @@ def make_engine_sharing_weights(model: Path, **options: object
     loaded = dataclasses.replace(shared, model=copy.copy(shared.model))
     events: list[p.EngineEvent] = []
     core, _ = assemble_engine(loaded, model, launch, lambda fraction, message: None, events.append)
+    core.scheduler.draft_costs = FixedCosts()  # tests/engine/fixed_costs.py says why
     return core, events
 
 

@@ -6,13 +6,20 @@ stopped probes again later and resumes when its drafts become right."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 
+import pytest
+
 import protocol as p
+from engine.sampling.draft_cost import CALIBRATE_AFTER, PLAIN_PAUSE, DraftCosts
 from engine.sampling.draft_length import FIRST_BACKOFF
+from engine.scheduling import step_times
+from engine.scheduling.core import EngineCore
 from tests.engine.fake_device import FakeDevice, next_token
 from tests.engine.test_pipeline import expected, generate, results, run
 from tests.engine.test_speculation_pipeline import (
+    FixedCosts,
     OracleDrafter,
     assert_verify_steps_completed_first,
     make_core,
@@ -70,11 +77,12 @@ def four_requests(max_tokens: int) -> dict[str, p.Generate]:
             for i in range(4)}
 
 
-def assert_solo_tokens(events: list[p.EngineEvent], requests: dict[str, p.Generate]) -> None:
+def assert_solo_tokens(events: list[p.EngineEvent], requests: dict[str, p.Generate],
+                       max_context: int = 96) -> None:
     got = results(events)
     for request_id, request in requests.items():
         assert got[request_id] == expected(request.prompt_token_ids, request.params.max_tokens,
-                                           request.params.stop_token_ids), request_id
+                                           request.params.stop_token_ids, max_context), request_id
 
 
 def test_rejected_drafts_switch_rows_off_and_the_loop_overlaps_again() -> None:
@@ -184,3 +192,124 @@ def test_requests_arriving_after_rejected_ones_start_switched_off() -> None:
         assert admitted < resume <= admitted + FIRST_BACKOFF
     # Fewer drafting steps in all than if each had started as the first did.
     assert sum(map(len, drafted.values())) < len(drafted["r0"]) * len(requests)
+
+
+# ---- the engine's measured costs (engine/sampling/draft_cost.py) ------------
+
+
+class InjectedCosts(DraftCosts):
+    """Measured costs whose step times are a model's, not the fake device's:
+    `fixed` + `per_token` for each row and draft token, `lost` more for a
+    step without overlap (seconds). Everything else is the engine's: which
+    steps it observes and how, the fit, the calibration pause."""
+
+    __slots__ = ("fixed", "lost", "per_token", "seen")
+
+    def __init__(self, fixed: float, per_token: float, lost: float) -> None:
+        super().__init__()
+        self.fixed, self.per_token, self.lost = fixed, per_token, lost
+        self.seen: list[tuple[int, int, int, bool]] = []
+
+    def observe(self, rows: int, drafts: int, drafted: int, seconds: float,
+                synchronous: bool) -> None:
+        self.seen.append((rows, drafts, drafted, synchronous))
+        seconds = self.fixed + self.per_token * (rows + drafts) + (self.lost if synchronous else 0.0)
+        super().observe(rows, drafts, drafted, seconds, synchronous)
+
+
+def serve_sixty_percent(costs: DraftCosts, max_tokens: int, max_context: int = 96
+                        ) -> tuple[EngineCore, FakeDevice, list[list[int]]]:
+    """Four requests whose drafts are each right with probability 0.6;
+    returns the engine, its device and each request's outputs' draft lengths."""
+    core, device, events = make_core(OracleDrafter(0, error=0.4, full=True),
+                                     num_pages=max(64, max_context + 16),
+                                     max_context=max_context, costs=costs)
+    requests = four_requests(max_tokens)
+    for request in requests.values():
+        core.handle(request)
+    run(core)
+    assert_solo_tokens(events, requests, max_context)
+    lengths = [[output.num_draft_tokens for output in outputs_of(events, request_id)]
+               for request_id in requests]
+    return core, device, lengths
+
+
+def test_rows_right_sixty_percent_of_the_time_draft_as_the_costs_say() -> None:
+    # With the constants they draft, mostly two tokens.
+    _, device, lengths = serve_sixty_percent(FixedCosts(), 70)
+    every = [length for request in lengths for length in request]
+    assert len(device.verify_launches) > 0.8 * device.launches
+    assert every.count(2) > every.count(K)
+    # Dear drafts (the 0.6B shape at batch 32 on the H200): switched off
+    # within a few steps, probing now and then; the loop overlaps again.
+    _, device, lengths = serve_sixty_percent(FixedCosts(0.5, 1.0), 70)
+    assert len(device.verify_launches) < 0.2 * device.launches
+    assert overlapped_after(device, 10) >= 0.75
+    # Cheap ones (8B at batch 1): the full K nearly every step.
+    _, device, lengths = serve_sixty_percent(FixedCosts(0.01, 0.02), 70)
+    drafted = [length for request in lengths for length in request if length]
+    assert len(device.verify_launches) > 0.9 * device.launches
+    assert drafted.count(K) > 0.9 * len(drafted)
+
+
+def test_an_engine_measures_its_costs_and_its_rows_follow_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From step times alone: the rows start on the constants, drafting
+    every step, until the engine pauses drafting to time plain steps; then
+    dear drafts are switched off and cheap ones grow to K."""
+    # No step left out because this machine paused the test between steps.
+    monkeypatch.setattr(step_times, "STALL_SECONDS", 60.0)
+    dear = InjectedCosts(fixed=0.2e-3, per_token=0.2e-3, lost=0.3e-3)
+    core, device, lengths = serve_sixty_percent(dear, 300, max_context=400)
+    report = core.scheduler.draft_costs.report()
+    assert report["measured"] and report["fitted"]
+    assert report["b"] == pytest.approx(0.2e-3) and report["c"] == pytest.approx(0.3e-3)
+    # On the constants every step drafts, until the pause that times plain steps.
+    launches = device.verify_launches
+    run_end = next(i for i in range(1, len(launches)) if launches[i] != launches[i - 1] + 1)
+    assert run_end >= CALIBRATE_AFTER
+    assert launches[run_end] - launches[run_end - 1] == PLAIN_PAUSE + 1
+    late = [launch for launch in device.verify_launches if launch > device.launches // 2]
+    assert len(late) < 0.15 * (device.launches // 2)
+    assert overlapped_after(device, device.launches // 2) >= 0.8
+
+    cheap = InjectedCosts(fixed=1e-3, per_token=0.005e-3, lost=0.01e-3)
+    core, device, lengths = serve_sixty_percent(cheap, 300, max_context=400)
+    assert core.scheduler.draft_costs.measured
+    # Each request's later outputs: mostly K (the constants draft two
+    # tokens at this acceptance).
+    late = [length for request in lengths for length in request[len(request) // 2 : -2]]
+    assert late.count(K) > 0.7 * len(late), lengths
+
+
+def test_the_engine_times_decode_steps_only_and_not_its_idle_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_times, "STALL_SECONDS", 60.0)
+    costs = InjectedCosts(0.001, 0.0, 0.0)
+    core, device, events = make_core(OracleDrafter(0, error=1.0, full=True), costs=costs)
+    core.handle(generate("a", [1, 2, 3], 60))
+    run(core)
+    assert results(events)["a"] == expected([1, 2, 3], 60)
+    seen = costs.seen
+    # Every step but the prompt's and the one after it.
+    assert len(seen) == device.launches - 2
+    assert all(rows == 1 for rows, _, _, _ in seen)
+    # The verify steps after the first: without overlap, with their drafts.
+    verifies = [(drafts, drafted, synchronous) for _, drafts, drafted, synchronous in seen
+                if drafts]
+    assert len(verifies) == len(device.verify_launches) - 1
+    assert all(drafted == 1 and synchronous for _, drafted, synchronous in verifies)
+    # Once the row is off, overlapped plain steps.
+    assert sum(1 for _, drafts, _, synchronous in seen if not synchronous and not drafts) > 30
+
+    # A loop that idles between steps (as one waiting for commands does)
+    # measures nothing.
+    monkeypatch.setattr(step_times, "STALL_SECONDS", 0.001)
+    costs = InjectedCosts(0.001, 0.0, 0.0)
+    core, device, events = make_core(OracleDrafter(0, error=1.0, full=True), costs=costs)
+    core.handle(generate("a", [1, 2, 3], 20))
+    while core.has_work:
+        core.step()
+        time.sleep(0.002)
+    assert results(events)["a"] == expected([1, 2, 3], 20)
+    assert costs.seen == []

@@ -10,7 +10,10 @@ from engine.sampling.draft_length import (
     DraftAcceptance,
     DraftLength,
     best_length,
+    draft_threshold,
+    probe_acceptance,
 )
+from tests.engine.test_speculation_pipeline import FixedCosts
 
 
 def miss_until_off(control: DraftLength, output: int) -> tuple[int, int]:
@@ -115,6 +118,59 @@ def test_best_length_grows_with_the_acceptance() -> None:
     # of the time does not.
     assert best_length(0.5, 8) >= 1 and best_length(0.25, 8) == 0
     assert best_length(1.0, 3) == 3
+
+
+# ---- the engine's measured costs (DraftCosts) --------------------------------
+
+
+def test_dear_drafts_switch_off_where_the_constants_draft_and_cheap_ones_draft_longer() -> None:
+    # With the constants a row right 60% of the time drafts two tokens.
+    assert best_length(0.6, 8) == 2
+    # A draft token at half a row's share and a drafting step at one row's
+    # (the 0.6B shape at batch 32 on the H200): not worth a token.
+    assert best_length(0.6, 8, 0.5, 1.0) == 0
+    # Nearly free (8B at batch 1): long drafts pay.
+    assert best_length(0.6, 8, 0.01, 0.02) >= 6
+    # A large fixed cost: one token never pays, eight kept ones do.
+    assert best_length(1.0, 8, 0.05, 2.0) == 8 and best_length(1.0, 1, 0.05, 2.0) == 0
+
+
+@pytest.mark.parametrize("costs", [(0.2, 0.1), (0.5, 1.0), (0.01, 0.02), (0.05, 2.0), (0.8, 0.5)],
+                         ids=["constants", "dear", "cheap", "fixed-cost", "dearest"])
+def test_a_kept_probe_turns_drafting_on_and_a_missed_one_keeps_it_off(
+        costs: tuple[float, float]) -> None:
+    """Whatever the costs, the probe's assumed acceptance sits just above
+    the least at which a row drafts."""
+    threshold = draft_threshold(8, *costs)
+    assert best_length(threshold, 8, *costs) >= 1
+    assert best_length(threshold - 0.001, 8, *costs) == 0
+    for kept in (True, False):
+        control = DraftLength(8, costs=FixedCosts(*costs))
+        miss_until_off(control, 0)
+        probe = control.resume_at
+        assert control.limit(probe) == 1
+        control.record(1, int(kept), probe + 1)
+        assert (control.length >= 1) is kept, (costs, kept, control.acceptance)
+
+
+def test_the_probe_assumes_a_little_above_the_threshold() -> None:
+    # The constants' one-token threshold: 1.05 * 1.3 - 1.
+    assert draft_threshold(8) == pytest.approx(0.365, abs=0.001)
+    assert probe_acceptance(8) == pytest.approx(0.40, abs=0.005)
+    # Where only full acceptance pays, the probe assumes it.
+    assert probe_acceptance(8, 0.8, 0.5) == 1.0
+    # Where nothing pays, the threshold is 1.
+    assert draft_threshold(8, 1.0, 0.5) == 1.0
+
+
+def test_a_new_row_weighs_its_start_with_the_engine_s_costs() -> None:
+    engine = DraftAcceptance()
+    for _ in range(40):
+        engine.observe(0.3)  # below the constants' threshold
+    assert DraftLength(8, engine).length == 0
+    assert DraftLength(8, engine, costs=FixedCosts(0.01, 0.02)).length >= 1
+    # A fresh engine's rows start at K, unless not even that pays.
+    assert DraftLength(8, DraftAcceptance(), costs=FixedCosts(1.0, 0.5)).length == 0
 
 
 def test_rows_switched_off_at_different_steps_probe_in_the_same_step() -> None:

@@ -19,10 +19,12 @@ import protocol as p
 from engine.kv.block_hash import kv_fingerprint
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_manager import KVManager
+from engine.sampling.draft_cost import DraftCosts
 from engine.sampling.sampler import Sampler
 from engine.scheduling.core import EngineCore
 from engine.scheduling.scheduler import Scheduler
 from tests.engine.fake_device import VOCAB, FakeDevice, next_token
+from tests.engine.fixed_costs import FixedCosts
 from tests.engine.test_pipeline import STOP, expected, generate, random_requests, results, run
 
 
@@ -51,12 +53,16 @@ class OracleDrafter:
 
 
 def make_core(drafter: OracleDrafter, num_pages: int = 64, lanes: int = 4, budget: int = 16,
-              max_context: int = 96, window: int = 8, max_verify_rows: int = 0
+              max_context: int = 96, window: int = 8, max_verify_rows: int = 0,
+              costs: DraftCosts | None = None
               ) -> tuple[EngineCore, FakeDevice, list[p.EngineEvent]]:
+    """An engine over the fake device; its draft costs are `costs`, or the
+    constants (FixedCosts)."""
     kv = KVManager(BlockPool(num_pages, 4), kv_fingerprint("fake"), window, max_context)
     scheduler = Scheduler(kv, max_concurrency=lanes, max_batched_tokens=budget,
                           max_context=max_context, drafter=drafter, draft_tokens=4,
                           max_verify_rows=max_verify_rows)
+    scheduler.draft_costs = FixedCosts() if costs is None else costs
     device = FakeDevice(scheduler, lanes)
     events: list[p.EngineEvent] = []
     core = EngineCore(device, scheduler, Sampler(torch.device("cpu")),  # type: ignore[arg-type]
@@ -180,3 +186,31 @@ def test_rows_that_cannot_draft_keep_the_pipeline_overlapped() -> None:
     assert not device.verify_launches
     ahead = sum(1 for launch, made in device.overlap if made > launch)
     assert ahead >= len(device.overlap) * 0.8, device.overlap
+
+
+def test_a_short_verify_budget_goes_to_different_rows_each_step() -> None:
+    """Four rows that each want 4 drafts share a verify budget of 4 draft
+    tokens (max_verify_rows 8): the row served first moves on every step, so
+    every row drafts within a few steps and their tokens stay exact. (In
+    running order the first row would take the whole budget every step.)"""
+    core, device, events = make_core(OracleDrafter(7, error=0.0, full=True), budget=32,
+                                     max_verify_rows=8)
+    requests = [generate(f"r{i}", [i + 1, i + 2, i + 3], 24) for i in range(4)]
+    for request in requests:
+        core.handle(request)
+    drafted_by: list[set[str]] = []
+    for _ in range(1_000):
+        if not core.has_work:
+            break
+        core.step()
+        flight = core._in_flight
+        if flight is not None and any(chunk.draft for chunk in flight.out.chunks):
+            drafted_by.append({chunk.seq.request_id for chunk in flight.out.chunks
+                               if chunk.draft})
+    assert len(drafted_by) >= 4
+    assert set().union(*drafted_by[:4]) == {request.request_id for request in requests}
+    got = results(events)
+    for request in requests:
+        assert got[request.request_id] == expected(request.prompt_token_ids,
+                                                   request.params.max_tokens)
+    assert_verify_steps_completed_first(device)

@@ -25,6 +25,15 @@ every row starts at the full K) and then the reported run, in the steady
 state of an engine that has served this workload (rows start from what the
 cold run left). Plain decoding too is timed after a run of the same prompts.
 
+The draft costs each row weighs (engine/sampling/draft_cost.py, DraftCosts:
+measured online from the engine's step times) are the hardware's, model's
+and batch's, not the workload's: they are kept across configurations within
+a shape (one engine), as a serving engine keeps them whatever its requests
+do. Each row records them as they stood after its run ("costs": verify_cost
+and step_cost in a row's share of a plain step, b and c in seconds per
+draft token and per step without overlap, t_plain the plain step's seconds
+at the current batch; "measured" false: still the constants).
+
 Targets (issue 16): at 8B, batch 1, every draft accepted, K = 4: >= 3x plain;
 at zero acceptance: at most 5% slower than plain (the adaptive switch-off).
 
@@ -128,6 +137,16 @@ def run_batch(core: EngineCore, events: list[p.EngineEvent], tag: str, prompts: 
     return seconds, [found[f"{tag}-{index}"] for index in range(len(prompts))]
 
 
+def describe(costs: dict[str, Any]) -> str:
+    """A DraftCosts report in a few words."""
+    text = f"costs {costs['verify_cost']:.2f} a draft token, {costs['step_cost']:.2f} a step"
+    if not costs["measured"]:
+        return text + " (the constants)"
+    return (text + f" (b {costs['b'] * 1e6:.0f} us, c {costs['c'] * 1e6:.0f} us, "
+            f"plain {costs['t_plain'] * 1e6:.0f} us at {costs['rows']} rows"
+            f"{'' if costs['fitted'] else ', b from the constants'})")
+
+
 def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     loaded = random_model(shape, device, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -165,15 +184,17 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> l
         proposed = drafter.proposed if drafter is not None else 0
         return seconds, outputs, {"accepted": accepted, "proposed": proposed,
                                   "acceptance": accepted / proposed if proposed else 0.0,
-                                  "steps": stats.steps_total - steps, **cold}
+                                  "steps": stats.steps_total - steps,
+                                  "costs": scheduler.draft_costs.report(), **cold}
 
     for batch in args.batches:
         prompts = [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
         timed(f"warm-{batch}", prompts, None, 0)
         # The same prompts every run: their prefix is cached alike for all.
-        plain_s, plain, _ = timed(f"plain-{batch}", prompts, None, 0)
+        plain_s, plain, plain_counts = timed(f"plain-{batch}", prompts, None, 0)
         plain_tok_s = batch * args.tokens / plain_s
-        print(f"{shape} batch {batch}: plain {plain_tok_s:,.0f} tok/s", flush=True)
+        print(f"{shape} batch {batch}: plain {plain_tok_s:,.0f} tok/s, "
+              f"{describe(plain_counts['costs'])}", flush=True)
         for k in args.drafts:
             # Every step verifies k drafts and keeps none: the cost of
             # speculation without the adaptive switch-off, and the target's
@@ -203,7 +224,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> l
                 cold_note = f" (cold {row['cold_ratio']:.2f}x)" if cold_s is not None else ""
                 print(f"  K={k} {label}: {row['tok_s']:,.0f} tok/s = {row['ratio']:.2f}x plain"
                       f"{cold_note}, acceptance {row['acceptance']:.2f}, {row['steps']} steps, "
-                      f"same as plain {row['same_as_plain']}", flush=True)
+                      f"same as plain {row['same_as_plain']}; {describe(row['costs'])}",
+                      flush=True)
     scheduler.drafter = ngram
     return rows
 

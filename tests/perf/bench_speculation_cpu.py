@@ -25,7 +25,10 @@ for token: the script stops with the first difference otherwise.
 --smoke (tests/test_perf_smoke.py): one round of 8 tokens of the first task, none against
 ngram K=4; its figures mean nothing. Writes $OUT/bench_speculation_cpu.json
 when OUT is set (not in --smoke). Each run starts from a fresh engine's
-draft acceptance (1: new rows draft the full K), whatever ran before it.
+draft acceptance (1: new rows draft the full K), whatever ran before it; the
+draft costs each engine measures from its step times
+(engine/sampling/draft_cost.py) are the machine's and the model's, so they
+are kept from run to run, and printed and written ("draft_costs") at the end.
 """
 
 from __future__ import annotations
@@ -274,6 +277,16 @@ def main() -> None:
             print(f"{task:14s} {name:11s} {row['output_tokens']:6d} {row['decode_tok_s']:7.1f} "
                   f"{row['decode_tok_s'] / base:6.2f} {acceptance:>6s} "
                   f"{row['tokens_per_step']:8.2f} {per_verify:>10s} {row['ms_per_step']:7.1f}")
+    costs = {name: engines[name][0].scheduler.draft_costs.report() for name in names[1:]}
+    print()
+    for name, measured in costs.items():
+        if not measured["measured"]:
+            print(f"{name}: draft costs not measured yet (the constants)")
+            continue
+        print(f"{name}: a draft token costs {measured['verify_cost']:.3f} of a plain step, a "
+              f"drafting step {measured['step_cost']:.3f} (b {measured['b'] * 1e3:.2f} ms, "
+              f"c {measured['c'] * 1e3:.2f} ms, plain step {measured['t_plain'] * 1e3:.1f} ms"
+              f"{'' if measured['fitted'] else ', b from the constants'})")
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
@@ -282,6 +295,7 @@ def main() -> None:
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=ROOT).stdout.strip(),
         "tasks": results,
+        "draft_costs": costs,
     }
     out = os.environ.get("OUT")
     if out and not args.smoke:
