@@ -11,17 +11,29 @@ lets torch.cuda.graph capture them: during a capture the current stream is
 the capturing one. Arguments are passed as plain numbers (pointers as
 uint64), so a launch allocates nothing and costs a few microseconds of host
 time; no CuPy array is ever made.
+
+Programmatic Dependent Launch (kernels/pdl.py, kernels/csrc/pdl.cuh): a
+kernel that its source declares PDL-aware (a `// pdl-aware: <glob> ...`
+line naming its kernels) is launched with the programmatic-stream-
+serialization attribute when the switch is on (ROUNDHOUSE_PDL, default on,
+"0" off; set_pdl), the GPU is Hopper or newer, and the current stream is
+capturing a CUDA graph. Eager launches always take CuPy's path.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from kernels import pdl
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 
@@ -49,12 +61,54 @@ def cuda_available() -> bool:
     return True
 
 
+# A kernels/csrc header included by a source: `#include "name"`.
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.MULTILINE)
+# A source's PDL-aware kernels: `// pdl-aware: <glob> [<glob> ...]`.
+_PDL_DECLARATION = re.compile(r"^[ \t]*//[ \t]*pdl-aware:(.*)$", re.MULTILINE)
+
+
+def source_text(source: str) -> str:
+    """kernels/csrc/<source> with its local headers pasted in (each once,
+    #line directives keeping compiler messages' file names and lines).
+    NOTE: CuPy's compile cache is keyed on the source text alone; a header
+    left to -I would be served stale from the cache after it changed."""
+    return _pasted(source, (SOURCE_DIR / source).read_text(), {source})
+
+
+def _pasted(name: str, text: str, seen: set[str]) -> str:
+    def paste(match: re.Match[str]) -> str:
+        header = match.group(1)
+        if not (SOURCE_DIR / header).is_file():
+            raise FileNotFoundError(f'{name} includes "{header}", not in {SOURCE_DIR}')
+        if header in seen:
+            return ""
+        seen.add(header)
+        # Pasted once, so its include guard would only draw a warning.
+        body = _PRAGMA_ONCE.sub("", (SOURCE_DIR / header).read_text())
+        line = text.count("\n", 0, match.end()) + 2  # the line after the include
+        return f'#line 1 "{header}"\n{_pasted(header, body, seen)}\n#line {line} "{name}"'
+
+    return _LOCAL_INCLUDE.sub(paste, text)
+
+
+@functools.cache
+def pdl_kernel_patterns(source: str) -> tuple[str, ...]:
+    """The globs of the kernels kernels/csrc/<source> declares PDL-aware."""
+    text = (SOURCE_DIR / source).read_text()
+    return tuple(glob for line in _PDL_DECLARATION.findall(text) for glob in line.split())
+
+
+def declared_pdl_aware(source: str, name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, glob) for glob in pdl_kernel_patterns(source))
+
+
 @functools.cache
 def _module(source: str, device_index: int) -> Any:
     import cupy
 
     major, minor = torch.cuda.get_device_capability(device_index)
-    code = (SOURCE_DIR / source).read_text()
+    code = source_text(source)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(
             code=code,
@@ -64,13 +118,69 @@ def _module(source: str, device_index: int) -> Any:
     return module
 
 
+# Kernels whose source declares them PDL-aware (they wait before reading
+# their inputs; kernels/csrc/pdl.cuh). Cached kernels live for the process.
+_PDL_KERNELS: set[Any] = set()
+
+
 @functools.cache
 def load_kernel(source: str, name: str, device_index: int) -> Any:
     """The kernel `name` (declared extern "C") of kernels/csrc/<source>."""
     import cupy
 
     with cupy.cuda.Device(device_index):
-        return _module(source, device_index).get_function(name)
+        kernel = _module(source, device_index).get_function(name)
+    if declared_pdl_aware(source, name):
+        _PDL_KERNELS.add(kernel)
+    return kernel
+
+
+def pdl_from_environment() -> bool:
+    """ROUNDHOUSE_PDL: PDL in captured graphs unless it is "0"."""
+    return os.environ.get("ROUNDHOUSE_PDL", "1") != "0"
+
+
+# The switch. It applies to launches, so a graph keeps the mode it was
+# captured with.
+_pdl_on = pdl_from_environment()
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn PDL launches on or off for later captures; returns the previous
+    setting (A/B runs in one process: capture, flip, capture again)."""
+    global _pdl_on
+    previous, _pdl_on = _pdl_on, bool(enabled)
+    return previous
+
+
+def pdl_enabled() -> bool:
+    return _pdl_on
+
+
+def is_pdl_aware(kernel: Any) -> bool:
+    return kernel in _PDL_KERNELS
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    # griddepcontrol needs sm_90; pdl.cuh compiles it out below that.
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def uses_pdl(kernel: Any, device_index: int) -> bool:
+    """Whether launch() puts kernel on the stream with PDL: switch on,
+    kernel PDL-aware, a Hopper-or-newer GPU, and a graph being captured.
+    (torch asks the current device's stream; were that another device's,
+    the answer could be wrong either way, and either way the launch is
+    correct: PDL-aware kernels wait for their inputs whenever they start.)"""
+    return (_pdl_on and kernel in _PDL_KERNELS and torch.cuda.is_current_stream_capturing()
+            and _pdl_capable(device_index))
+
+
+@functools.cache
+def _function_pointer(kernel: Any) -> int:
+    """The CUfunction of a CuPy RawKernel (call inside its device's context)."""
+    return int(kernel.kernel.ptr)
 
 
 @functools.cache
@@ -97,6 +207,13 @@ def launch(
     numpy scalars of the parameter types (np.int32, np.float32, ptr(...))."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
+    if uses_pdl(kernel, index):
+        import cupy
+
+        with cupy.cuda.Device(index):
+            pdl.launch(_function_pointer(kernel), grid, block, args, stream.cuda_stream,
+                       shared_bytes)
+        return
     kernel(
         tuple(grid),
         tuple(block),

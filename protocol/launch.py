@@ -212,8 +212,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """What --deterministic cannot promise, refused before any engine starts
         (the model's own kind, MoE or hybrid, is checked at load)."""
         refused = [
-            (self.spec != "none", f"--spec {self.spec}: verifying drafts would compute a "
-                                  "token with other rows of its own sequence"),
+            (self.spec == "mtp", "--spec mtp: the MTP head comes with hybrid models, "
+                                 "which the mode cannot serve"),
             (self.vision, "--vision: the vision tower's batched encoder has no "
                           "batch-invariant form"),
             (self.quantize is not None, f"--quantize {self.quantize}: FP8 projections have no "

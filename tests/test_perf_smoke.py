@@ -46,9 +46,9 @@ CPU_SCRIPTS = {
 GPU_ONLY = [
     "agent_workload.py", "bench_decode_attention.py", "bench_gpu_engine.py", "bench_gpu_http.py",
     "bench_moe_grouped.py", "bench_prefill_attention.py", "bench_sampling.py", "bench_skinny_gemm.py",
-    "bench_small_ops.py", "gpu_models.py", "profile_decode_kernels.py", "profile_decode_step.py",
-    "profile_hybrid_decode.py", "profile_mixed_step.py", "profile_throughput.py",
-    "vision_shapes.py",
+    "bench_small_ops.py", "gpu_models.py", "probe_pdl.py", "profile_decode_kernels.py",
+    "profile_decode_step.py", "profile_hybrid_decode.py", "profile_mixed_step.py",
+    "profile_throughput.py", "vision_shapes.py",
 ]
 
 
@@ -67,7 +67,7 @@ def run(args: list[str], timeout: float) -> None:
 @pytest.mark.parametrize("script", sorted(CPU_SCRIPTS))
 def test_cpu_benchmark_smoke(script: str, tiny_qwen3_dir: Path) -> None:
     extra = list(CPU_SCRIPTS[script])
-    if script in ("bench_cpu.py", "bench_router_streaming.py"):
+    if script in ("bench_cpu.py", "bench_router_streaming.py", "bench_waiting_memory.py"):
         extra += ["--model", str(tiny_qwen3_dir)]  # built once for the session
     run([str(PERF / script), "--smoke", *extra], timeout=180)
 

@@ -272,6 +272,7 @@ def assemble_engine(
         recurrent_state=state_pools is not None,
         checkpoint_every=max(config.checkpoint_every_n_tokens, 0),
         state_backup_row=state_pools.backup_row if state_pools is not None else -1,
+        greedy_drafts_only=config.deterministic,
     )
     if config.spec == "ngram":
         log.info("speculative decoding: %s, up to %d draft tokens per step, n-grams %d..%d",

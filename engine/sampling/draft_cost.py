@@ -34,11 +34,19 @@ always is).
   they would bend its slope. (On the CPU, where no overlap is lost, such a
   step takes what a plain one does, 41-44 ms for SmolLM2-135M on two
   cores, while one with a single draft token takes about 25 ms more and
-  one with four about 50 ms more.)
+  one with four about 50 ms more.) Their time beyond a plain step's is
+  drafting's all the same: a verify step is always followed by one, unless
+  the rows draft again. So their excess (decayed sums, decaying with the
+  drafting steps') is spread over the drafting steps, at most
+  MAX_TAIL_STEPS of them to one, and added to c (on the H200 at the 0.6B
+  shape one such step's excess is 0.4-0.6 ms, as much as c itself: a row
+  drafting now and then paid it uncounted).
 At the current batch of B rows (the last step's), n of which drafted in the
 last step with drafts: verify_cost = b * B / T_plain(B) and step_cost =
 c * B / (n * T_plain(B)), a row's share of a plain step being T_plain(B) / B
-and c being shared by the rows that draft.
+and c being shared by the rows that draft; step_shares = c * B / T_plain(B)
+is all of c, what the scheduler's step gate weighs the step's drafts
+against together (Scheduler._drafts_pay).
 
 Until MIN_PLAIN_WEIGHT plain and MIN_DRAFTING_WEIGHT drafting steps are
 measured (decayed counts), the costs are the constants. Where x has no
@@ -92,6 +100,9 @@ MAX_STEP_COST = 64.0
 # to that: a stall inside a step (pages offloaded, a collection) moves the
 # averages by a bounded amount, and a real change still shows, geometrically.
 CLIP = 4.0
+# Steps without overlap or drafts counted per drafting step, at most: one
+# follows each verify step that the rows do not draft right after.
+MAX_TAIL_STEPS = 2.0
 # Drafting steps without any plain measurement before the scheduler pauses
 # drafting to take one, and the steps that pause lasts (the first of them
 # still runs without overlap: it follows a verify step).
@@ -103,8 +114,9 @@ class DraftCosts:
     """The engine's measured draft costs (one per scheduler)."""
 
     __slots__ = ("_drafted", "_estimate", "_pause_wanted", "_paused_until", "_plain_rows",
-                 "_plain_seconds", "_plain_weight", "_rows", "_stale", "_step_cost", "_sum_x",
-                 "_sum_xx", "_sum_xy", "_sum_y", "_unmeasured", "_verify_cost", "_weight")
+                 "_plain_seconds", "_plain_weight", "_rows", "_stale", "_step_cost",
+                 "_step_shares", "_sum_x", "_sum_xx", "_sum_xy", "_sum_y", "_tail_rows",
+                 "_tail_steps", "_tail_y", "_unmeasured", "_verify_cost", "_weight")
 
     _PLAIN_DECAY = 1.0 - 1.0 / PLAIN_WINDOW
     _DRAFTING_DECAY = 1.0 - 1.0 / DRAFTING_WINDOW
@@ -113,12 +125,15 @@ class DraftCosts:
         self._plain_weight = self._plain_seconds = self._plain_rows = 0.0
         # Decayed sums of the drafting steps' fit: weight, x, x^2, y, x*y.
         self._weight = self._sum_x = self._sum_xx = self._sum_y = self._sum_xy = 0.0
+        # Decayed sums of the steps without overlap or drafts: count, rows, seconds.
+        self._tail_steps = self._tail_rows = self._tail_y = 0.0
         self._rows = 1  # the last decode-only step's
         self._drafted = 0  # rows that drafted in the last step with drafts (0: none yet)
         self._unmeasured = 0  # drafting steps since the last pause, with no plain measured
         self._pause_wanted = False
         self._paused_until = 0
         self._verify_cost, self._step_cost = VERIFY_COST, STEP_COST
+        self._step_shares = STEP_COST
         self._estimate: dict[str, Any] = {}
         self._stale = False
 
@@ -144,9 +159,16 @@ class DraftCosts:
                 self._plain_weight = decay * plain_weight + 1.0
                 self._plain_seconds = decay * self._plain_seconds + seconds
                 self._plain_rows = decay * self._plain_rows + rows
+            else:
+                self._tail_steps += 1.0
+                self._tail_rows += rows
+                self._tail_y += seconds
             return
         self._drafted = drafted
         decay = self._DRAFTING_DECAY
+        self._tail_steps *= decay
+        self._tail_rows *= decay
+        self._tail_y *= decay
         self._weight = decay * self._weight + 1.0
         self._sum_x = decay * self._sum_x + x
         self._sum_xx = decay * self._sum_xx + x * x
@@ -177,6 +199,14 @@ class DraftCosts:
         return self._verify_cost, self._step_cost
 
     @property
+    def step_shares(self) -> float:
+        """A drafting step's fixed cost, all of it, in a row's share of a
+        plain step: what the rows that draft in one step share."""
+        if self._stale:
+            self._update()
+        return self._step_shares
+
+    @property
     def measured(self) -> bool:
         """Whether the costs come from measurements (not the constants)."""
         return (self._plain_weight >= MIN_PLAIN_WEIGHT
@@ -184,16 +214,20 @@ class DraftCosts:
 
     def report(self) -> dict[str, Any]:
         """The costs and what they come from, for benchmarks: verify_cost,
-        step_cost, b and c (seconds), t_plain (seconds at `rows` rows), rows,
-        drafted, measured, fitted (b from the fit, not the constants)."""
+        step_cost, step_shares, b and c (seconds; c with tail, the share of
+        the steps without overlap or drafts), t_plain (seconds at `rows`
+        rows), rows, drafted, measured, fitted (b from the fit, not the
+        constants)."""
         costs = self.costs
-        return {"verify_cost": costs[0], "step_cost": costs[1], "rows": self._rows,
+        return {"verify_cost": costs[0], "step_cost": costs[1],
+                "step_shares": self._step_shares, "rows": self._rows,
                 "drafted": self._drafted, "measured": self.measured, **self._estimate}
 
     def _update(self) -> None:
         self._stale = False
         if not self.measured:
             self._verify_cost, self._step_cost = VERIFY_COST, STEP_COST
+            self._step_shares = STEP_COST
             self._estimate = {}
             return
         t_avg = self._plain_seconds / self._plain_weight
@@ -209,10 +243,21 @@ class DraftCosts:
         else:
             b = VERIFY_COST * share
         c = max(mean_y - t_avg - b * (mean_x - rows_avg), 0.0)
+        # The steps without overlap or drafts: their mean time beyond a
+        # plain step of their rows, times how many there are per drafting
+        # step (at most MAX_TAIL_STEPS: their sums decay only with drafting
+        # steps, so a long stretch without any must not grow them unbounded).
+        tail = 0.0
+        if self._tail_steps > 0.0:
+            excess = (self._tail_y - self._tail_steps * (t_avg - b * rows_avg)
+                      - b * self._tail_rows) / self._tail_steps
+            tail = max(excess, 0.0) * min(self._tail_steps / weight, MAX_TAIL_STEPS)
+        c += tail
         rows = self._rows
         # Fewer rows than measured cost no less per row (a step's fixed part).
         t_plain = max(t_avg + b * (rows - rows_avg), share * min(rows, rows_avg))
         drafted = min(self._drafted or rows, rows)
         self._verify_cost = min(b * rows / t_plain, MAX_VERIFY_COST)
         self._step_cost = min(c * rows / (drafted * t_plain), MAX_STEP_COST)
-        self._estimate = {"b": b, "c": c, "t_plain": t_plain, "fitted": fitted}
+        self._step_shares = min(c * rows / t_plain, MAX_STEP_COST)
+        self._estimate = {"b": b, "c": c, "tail": tail, "t_plain": t_plain, "fitted": fitted}

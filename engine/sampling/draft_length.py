@@ -174,6 +174,12 @@ class DraftLength:
         """Whether the row drafts in the step the scheduler's clock calls now."""
         return self.length > 0 or now >= self.resume_at
 
+    def probes(self, now: int) -> bool:
+        """Whether the row's draft in that step would be a probe (switched
+        off, its back-off over): a probe's worth is what it tells, not the
+        tokens it is expected to keep."""
+        return self.length == 0 and now >= self.resume_at
+
     def limit(self, now: int) -> int:
         """How many tokens the row may draft now (0: decode as usual)."""
         if self.length == 0 and now >= self.resume_at:
@@ -199,14 +205,20 @@ class DraftLength:
             self._backoff = FIRST_BACKOFF
         self.length = best_length(self.acceptance, self.max_tokens, *self._current_costs())
         if self.length == 0:
-            # On the scheduler's clock, rounded up to a multiple of the
-            # back-off (16 times a power of two): switched-off rows probe in
-            # the same steps, so a batch loses its overlap for a probe
-            # together, not once per row.
-            backoff = self._backoff
-            self.resume_at = -(-(now + backoff) // backoff) * backoff
-            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-            self.switch_offs += 1
+            self.switch_off(now)
+
+    def switch_off(self, now: int) -> None:
+        """Stop drafting until the back-off from the step the clock calls
+        now is over; then probe. (Also the scheduler's step gate's answer
+        to drafts that do not pay for their step together.) On the clock,
+        rounded up to a multiple of the back-off (16 times a power of two):
+        switched-off rows probe in the same steps, so a batch loses its
+        overlap for a probe together, not once per row."""
+        self.length = 0
+        backoff = self._backoff
+        self.resume_at = -(-(now + backoff) // backoff) * backoff
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        self.switch_offs += 1
 
     def _current_costs(self) -> tuple[float, float]:
         """(verify_cost, step_cost): the engine's measured ones, or the constants."""
@@ -239,6 +251,14 @@ def best_length(acceptance: float, max_tokens: int, verify_cost: float = VERIFY_
             best, best_gain = k, gain
         last_gain = gain
     return best
+
+
+def expected_kept(acceptance: float, tokens: int) -> float:
+    """The draft tokens expected to be kept of `tokens` at this per-position
+    acceptance: p + p^2 + ... + p^tokens."""
+    if acceptance >= 1.0:
+        return float(tokens)
+    return acceptance * (1.0 - acceptance**tokens) / (1.0 - acceptance)
 
 
 def draft_threshold(max_tokens: int, verify_cost: float = VERIFY_COST,

@@ -40,15 +40,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv.kv_manager import KVManager, takes_hits
 from engine.kv.state_checkpoints import RowCopy
 from engine.sampling.draft_cost import DraftCosts
-from engine.sampling.draft_length import DraftAcceptance, DraftLength
+from engine.sampling.draft_length import MIN_GAIN, DraftAcceptance, DraftLength, expected_kept
 from engine.sampling.drafter import Drafter, DraftRow, may_draft
 from engine.sampling.verify import accept_drafts
 from engine.scheduling.lanes import Lanes
 from engine.scheduling.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from protocol import SamplingParams
 
 
 @dataclass(slots=True)
@@ -112,6 +116,7 @@ class Scheduler:
         recurrent_state: bool = False,
         checkpoint_every: int = 0,
         state_backup_row: int = -1,
+        greedy_drafts_only: bool = False,
     ):
         self.kv = kv
         # A hybrid model: each running sequence's recurrent state lives in
@@ -134,6 +139,11 @@ class Scheduler:
         # to draft_tokens guesses verified per step.
         self.drafter = drafter if draft_tokens > 0 else None
         self.draft_tokens = draft_tokens
+        # Batch-invariant mode: only greedy rows draft. A greedy row's
+        # verified tokens are the argmaxes plain decoding takes; a sampled
+        # row's would come from the speculative sampling rule, whose draws
+        # depend on the draft lengths, which depend on the batch.
+        self.greedy_drafts_only = greedy_drafts_only
         # The most tokens a verify step may hold (0: no bound): the decode
         # rows the runner's graphs take (engine/execution/step_inputs.py). A
         # larger one, or one beside prompt chunks, runs eagerly, and there
@@ -147,6 +157,8 @@ class Scheduler:
         # What drafting costs here, measured from the engine's step times
         # (EngineCore._account): what every row's draft length weighs.
         self.draft_costs = DraftCosts()
+        # The clock's step the step gate last passed (_drafts_pay).
+        self._gate_passed_at = -1
         # The engine's cut of a row's draft (EngineCore sets it): before the
         # first token its grammar refuses, or a position whose token a
         # reasoning budget forces; None: drafts are kept whole.
@@ -184,10 +196,63 @@ class Scheduler:
         (engine/sampling/draft_cost.py)."""
         if self.drafter is None or self.draft_costs.pauses(self.clock + 1):
             return False
-        return any(
-            not seq.is_prefilling and may_draft(seq.params)
-            and seq.draft_length is not None and seq.draft_length.allows(self.clock)
-            for seq in self.running) and self._may_verify_next()
+        return self._may_verify_next() and self._drafts_pay(self.clock + 1)
+
+    def _drafting_rows(self, now: int) -> list[Sequence]:
+        """The running decode rows whose drafts the step the clock calls now may carry."""
+        return [seq for seq in self.running
+                if not seq.is_prefilling and self._may_draft(seq.params)
+                and seq.draft_length is not None and seq.draft_length.allows(now)]
+
+    def _may_draft(self, params: SamplingParams) -> bool:
+        return may_draft(params) and (params.greedy or not self.greedy_drafts_only)
+
+    def _drafts_pay(self, now: int) -> bool:
+        """Whether any row drafts in the step the clock calls now, after the
+        step gate. Each row weighs its own draft with the fixed cost shared
+        by the rows that drafted last time; but that cost is the whole
+        step's (on a GPU, chiefly the overlap it and the step after it
+        lose), so rows that draft now and then, a few at a time, paid it
+        each time for a row's worth of tokens: at the 0.6B shape, batch 8,
+        with 30% of drafts wrong, 9% slower than plain. So the step's drafts
+        are weighed together: the tokens every row expects to keep against
+        the whole fixed cost and the verified positions, and where they do
+        not pay by MIN_GAIN the rows are switched off as a row whose own
+        drafts do not pay is: they probe after their back-off, on the same
+        steps of the clock, and drafting resumes where the probes are kept
+        together. A probe always passes: what it is worth is what it tells
+        (draft_length.py). Refused here, from wants_drafts, the drafts cost
+        the loop nothing: it keeps its overlap. A step is weighed once: the
+        verdict for wants_drafts holds for _add_drafts (the host's time of a
+        drafting step is what drafting costs on a GPU)."""
+        if self._gate_passed_at == now:
+            return True
+        rows = self._drafting_rows(now)
+        if not rows:
+            return False
+        lengths: list[DraftLength] = [seq.draft_length for seq in rows]  # type: ignore[misc]
+        if any(length.probes(now) for length in lengths):
+            self._gate_passed_at = now
+            return True
+        verify_cost = self.draft_costs.costs[0]
+        fixed = self.draft_costs.step_shares
+        batch = len(self.running) - self.num_prefilling
+        room = self.max_verify_rows - batch if self.max_verify_rows else 1 << 30
+        max_context = self.max_context
+        gain = 0.0
+        tokens = 0
+        for seq, length in zip(rows, lengths, strict=True):
+            k = min(length.length, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    max_context - seq.num_tokens - 1, room - tokens)
+            if k > 0:
+                gain += expected_kept(length.acceptance, k)
+                tokens += k
+        if tokens and batch + gain >= MIN_GAIN * (batch + fixed + verify_cost * tokens):
+            self._gate_passed_at = now
+            return True
+        for length in lengths:
+            length.switch_off(now)
+        return False
 
     @property
     def num_prefilling(self) -> int:
@@ -322,6 +387,8 @@ class Scheduler:
             if not self._may_verify_next():
                 return budget
             budget = min(budget, self.max_verify_rows - len(out.chunks))
+        if not self._drafts_pay(self.clock):
+            return budget
         batched = self._propose_batch(out, budget) if hasattr(self.drafter, "propose_batch") \
             else None
         for chunk in self._draft_order(out):
@@ -360,11 +427,10 @@ class Scheduler:
         first = self.clock % len(chunks)
         return chunks[first:] + chunks[:first]
 
-    @staticmethod
-    def _drafts_now(seq: Sequence) -> bool:
+    def _drafts_now(self, seq: Sequence) -> bool:
         """Whether seq's decode row may take a draft this step: its request
         drafts at all and every token of it is on the host."""
-        return (seq.draft_length is not None and may_draft(seq.params)
+        return (seq.draft_length is not None and self._may_draft(seq.params)
                 and not seq.has_pending_token)
 
     def _may_verify_next(self) -> bool:

@@ -1,6 +1,11 @@
 // SwiGLU on a fused gate/up projection: out[t, i] = silu(x[t, i]) * x[t, I + i].
 // bf16 in and out, float32 arithmetic; 8 bf16 (16 bytes) per thread per load.
+// Programmatic Dependent Launch (pdl.cuh): it waits for its predecessor first
+// thing, then lets the next kernel launch.
+// pdl-aware: silu_and_mul_bf16
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -13,6 +18,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 extern "C" __global__ void silu_and_mul_bf16(__nv_bfloat16* __restrict__ out,
                                              const __nv_bfloat16* __restrict__ x,
                                              int intermediate) {
+    pdl_wait();
+    pdl_launch_dependents();
     const long row = blockIdx.x;
     const int col = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (col >= intermediate) return;

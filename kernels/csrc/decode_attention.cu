@@ -28,7 +28,14 @@
 // undoes. P^T (the S^T accumulator rounded to bf16) is likewise moved into B
 // fragments with movmatrix. Scores are kept in the log2 domain (scale * log2 e
 // folded into the float32 scores) so softmax uses exp2f.
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing (q, the cache rows and seq_lens are earlier
+// kernels' outputs), then lets the next kernel launch.
+// pdl-aware: paged_decode_*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -144,6 +151,8 @@ __device__ __forceinline__ void decode_split(
     __shared__ float s_max[kWarps][kHeads];
     __shared__ float s_sum[kWarps][kHeads];
 
+    pdl_wait();
+    pdl_launch_dependents();
     const int split = blockIdx.x / HT;
     const int head_tile = blockIdx.x % HT;
     const int kv_head = blockIdx.y;
@@ -464,6 +473,8 @@ extern "C" __global__ void __launch_bounds__(128) paged_decode_reduce(
     __nv_bfloat16* __restrict__ out, const float* __restrict__ part_out,
     const float* __restrict__ part_stats, const int* __restrict__ seq_lens, int num_heads,
     int head_dim, int num_splits) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int h = blockIdx.x;
     const int b = blockIdx.y;
     const int seq_len = __ldg(seq_lens + b);

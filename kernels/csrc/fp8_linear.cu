@@ -40,7 +40,19 @@
 // fp8_dequantize: out[N, K] bf16 = (value * scale in float32) rounded to bf16
 //   (round to nearest even), as torch's (W.float() * S).to(bfloat16). Each
 //   thread converts 16 bytes and writes two 16-byte stores.
+//
+// Programmatic Dependent Launch (pdl.cuh; inside CUDA graphs on Hopper): in
+// fp8_gemv a warp asks L2 for its first column block of the CTA's 16 weight
+// rows, lets the next kernel launch, and only then waits for the kernel that
+// wrote x, as skinny_gemm.cu's decode kernels do (the weight is no kernel's
+// output; a prefetch is only a hint into L2, the point of coherence). The
+// weight's loads, the scales, x and out all come after the wait.
+// fp8_dequantize waits first thing (out is a scratch an earlier GEMM may
+// still read), then lets the next kernel launch. Numerics are unchanged.
+// pdl-aware: fp8_gemv_nt* fp8_dequantize
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -79,12 +91,27 @@ __device__ __forceinline__ float e4m3_to_float(unsigned byte) {
     return f * 0x1p8f;
 }
 
-// 16 weight bytes, read once: not kept in L1.
+__device__ __forceinline__ void prefetch_l2(const unsigned char* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// 16 weight bytes, read once: not kept in L1. kCoherent: without .nc, for
+// fp8_gemv's first block, which follows pdl_wait(): ptxas 13.0 scheduled a
+// .nc load of it above the wait (.nc data is read-only for the kernel's
+// lifetime, so it may), harmless for the weight but indistinguishable from
+// an early read of x in the machine code tests/kernels/test_pdl.py checks.
+template <bool kCoherent = false>
 __device__ __forceinline__ uint4 load_stream(const unsigned char* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    if constexpr (kCoherent) {
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    }
     return v;
 }
 
@@ -109,6 +136,7 @@ struct BlockBytes {
     uint4 row_g8[2];
 };
 
+template <bool kCoherent = false>
 __device__ __forceinline__ BlockBytes load_block(const unsigned char* row_g,
                                                  const unsigned char* row_g8, bool ok_g,
                                                  bool ok_g8, int kb) {
@@ -117,8 +145,8 @@ __device__ __forceinline__ BlockBytes load_block(const unsigned char* row_g,
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const size_t offset = static_cast<size_t>(kb) * kBlock + 64 * c;
-        bytes.row_g[c] = ok_g ? load_stream(row_g + offset) : zero;
-        bytes.row_g8[c] = ok_g8 ? load_stream(row_g8 + offset) : zero;
+        bytes.row_g[c] = ok_g ? load_stream<kCoherent>(row_g + offset) : zero;
+        bytes.row_g8[c] = ok_g8 ? load_stream<kCoherent>(row_g8 + offset) : zero;
     }
     return bytes;
 }
@@ -135,6 +163,16 @@ __device__ __forceinline__ void fp8_gemv(__nv_bfloat16* __restrict__ out,
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * kRows;
     const int blocks = k / kBlock;
+    // PDL: lane (g, t) asks L2 for the line of the first (t < 2) or last
+    // byte of row g (t even) or g + 8's 128 bytes in the warp's first column
+    // block: the 128 bytes span one or two lines.
+    const int prefetch_row = n0 + g + 8 * (t & 1);
+    if (warp < blocks && prefetch_row < n) {
+        prefetch_l2(weight + static_cast<size_t>(prefetch_row) * k + warp * kBlock +
+                    (t >> 1) * (kBlock - 1));
+    }
+    pdl_launch_dependents();
+    pdl_wait();  // x is an earlier kernel's output, out may be an earlier kernel's input
     const float* scale_row = scales + static_cast<size_t>(n0 / kBlock) * blocks;
     const bool ok_g = n0 + g < n, ok_g8 = n0 + g + 8 < n;
     const unsigned char* row_g = weight + static_cast<size_t>(n0 + g) * k + 16 * t;
@@ -151,7 +189,7 @@ __device__ __forceinline__ void fp8_gemv(__nv_bfloat16* __restrict__ out,
 #pragma unroll
     for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    BlockBytes next = load_block(row_g, row_g8, ok_g, ok_g8, warp < blocks ? warp : 0);
+    BlockBytes next = load_block<true>(row_g, row_g8, ok_g, ok_g8, warp < blocks ? warp : 0);
     for (int kb = warp; kb < blocks; kb += warps) {
         const BlockBytes bytes = next;
         // The next block's bytes are in flight while this one is multiplied.
@@ -230,6 +268,8 @@ extern "C" __global__ void fp8_gemv_nt2(__nv_bfloat16* out, const __nv_bfloat16*
 extern "C" __global__ void fp8_dequantize(__nv_bfloat16* __restrict__ out,
                                           const unsigned char* __restrict__ weight,
                                           const float* __restrict__ scales, int groups, int k) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int blocks = k / kBlock;
     for (int group = blockIdx.x * blockDim.x + threadIdx.x; group < groups;
          group += gridDim.x * blockDim.x) {

@@ -9,7 +9,15 @@
 // A sequence with no tokens leaves its slot untouched. Two sequences of one
 // batch must not share a slot (the wrapper cannot check it without a sync).
 // Launch grids depend on the shapes alone, so CUDA graphs capture them.
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing, before any thread can leave (the batch layout,
+// the inputs and the states may all be earlier kernels' work), then lets
+// the next kernel launch.
+// pdl-aware: causal_conv1d_k* conv_state_update_k* gated_delta_rule_dk*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -65,6 +73,8 @@ __device__ __forceinline__ void conv_tile(__nv_bfloat16* __restrict__ y,
                                           const unsigned char* __restrict__ fresh,
                                           const int* __restrict__ qsl, int num_seqs,
                                           int tokens, int channels) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float w[K];
@@ -115,6 +125,8 @@ __device__ __forceinline__ void state_update(const __nv_bfloat16* __restrict__ x
                                              const long long* __restrict__ slots,
                                              const unsigned char* __restrict__ fresh,
                                              const int* __restrict__ qsl, int channels) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int seq = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= channels) return;
@@ -185,6 +197,8 @@ __device__ __forceinline__ void delta_rule_block(
     __shared__ float q_norm[4][DK];
     __shared__ float k_norm[4][DK];
 
+    pdl_wait();
+    pdl_launch_dependents();
     const int seq = blockIdx.x;
     const int head = blockIdx.y;
     const int warp = threadIdx.x >> 5;

@@ -11,12 +11,19 @@
 // contiguous. D / 8 consecutive threads own one (token, head) row, one
 // 16-byte vector each; the sum of squares is reduced with shuffles inside
 // that group. Rows run flattened, so a 128-thread CTA covers 8 rows (D = 128).
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing, then lets the next kernel launch.
+// pdl-aware: gated_rms_norm_d*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
 // 16-byte bf16 vectors, as in norm.cu and rope_cache.cu (each source file
-// carries its own copy: CuPy's compile cache is keyed on the source text).
+// carries its own copy, from before kernels/cuda_build.py pasted local
+// headers into the source: CuPy's compile cache is keyed on the source text).
 __device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
     return *reinterpret_cast<const uint4*>(p);
 }
@@ -51,6 +58,8 @@ __device__ __forceinline__ void gated_rms_norm(__nv_bfloat16* __restrict__ out,
                                                long long gate_head_stride, float eps) {
     constexpr int kGroup = D / 8;  // threads per row: 32 (D = 256), 16 (128) or 8 (64)
     static_assert(kGroup <= 32 && (kGroup & (kGroup - 1)) == 0, "a row's threads share a warp");
+    pdl_wait();  // before any thread leaves: x and the gate are earlier kernels' outputs
+    pdl_launch_dependents();
     const int thread = blockIdx.x * blockDim.x + threadIdx.x;
     const int row = thread / kGroup;
     const int j = thread % kGroup;

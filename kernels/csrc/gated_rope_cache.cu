@@ -23,12 +23,19 @@
 // thread. With R <= D / 2 (R / 16 a power of two) the rotated dims are the
 // first R / 8 lo vectors: thread j < R / 16 holds an x1 vector whose x2 is
 // thread j + R / 16's lo, exchanged with one xor shuffle.
+//
+// Programmatic Dependent Launch (pdl.cuh): both kernels wait for their
+// predecessor first thing, then let the next kernel launch.
+// pdl-aware: gated_rope_and_cache_d* sigmoid_gate_mul
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
 // 16-byte bf16 vectors, as in norm.cu and rope_cache.cu (each source file
-// carries its own copy: CuPy's compile cache is keyed on the source text).
+// carries its own copy, from before kernels/cuda_build.py pasted local
+// headers into the source: CuPy's compile cache is keyed on the source text).
 __device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
     return *reinterpret_cast<const uint4*>(p);
 }
@@ -161,6 +168,8 @@ __device__ __forceinline__ void gated_rope_and_cache(
     constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (128) or 4 (64)
     static_assert(kGroup <= 32, "a head's threads share one warp (the shuffles)");
     constexpr int kHalf = D / 2;
+    pdl_wait();  // before anything is read: projected, positions and slots are earlier outputs
+    pdl_launch_dependents();
     const int heads_per_token = num_heads + 2 * num_kv_heads;
     const int thread = blockIdx.x * blockDim.x + threadIdx.x;
     const int group = thread / kGroup;
@@ -310,6 +319,8 @@ extern "C" __global__ void sigmoid_gate_mul(__nv_bfloat16* out, const __nv_bfloa
                                             const __nv_bfloat16* __restrict__ projected,
                                             int tokens, int num_heads, int head_dim,
                                             long long row_width) {
+    pdl_wait();  // before any thread leaves: attn and the projection are earlier outputs
+    pdl_launch_dependents();
     const long long vector = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int vectors_per_head = head_dim / 8;
     const long long vectors_per_token = static_cast<long long>(num_heads) * vectors_per_head;

@@ -19,9 +19,9 @@
 // 536, 571, 623, 592. Each more row of x adds an FFMA and a quarter load per
 // element; the weight is decoded once for all M rows.
 //
-// Self-contained: cuda_build.py compiles with -I csrc, so a shared .cuh
-// would load, but this file shares only trivial helpers with gguf_quant.cu
-// (that one decodes into bf16 pairs for mma, this one into float32).
+// Self-contained but for pdl.cuh: this file shares only trivial helpers
+// with gguf_quant.cu (that one decodes into bf16 pairs for mma, this one into
+// float32).
 //
 // Exactness: as gguf_quant.cu, the result differs from "dequantize to float32,
 // then a float32 matmul" only by float32 accumulation order, rounded to bf16
@@ -76,7 +76,18 @@
 //            memory (double-buffered by tile parity, one named barrier) in
 //            warp order; one bf16 rounding. Deterministic: the order depends
 //            on W, which depends only on (N, K, SM count).
+//
+// Programmatic Dependent Launch (pdl.cuh; inside CUDA graphs on Hopper): a
+// warp asks L2 for its first unit of the weight, lets the next kernel
+// launch, and only then waits for the kernel that wrote x, as
+// skinny_gemm.cu's decode kernels do. The weight is no kernel's output and a
+// prefetch is only a hint into L2 (the point of coherence); x and out are
+// touched after pdl_wait(), which every thread reaches before it can return.
+// Numerics are unchanged.
+// pdl-aware: gguf_gemv_small_*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -493,6 +504,8 @@ __device__ __forceinline__ void gemv_small_body(__nv_bfloat16* __restrict__ out,
     if (slot < slots && first_tile < tiles && wi < units) {
         prefetch_unit(row_offset(first_tile * kTileRows + g) + wi * kUnitBytes, wi);
     }
+    pdl_launch_dependents();
+    pdl_wait();  // x is the previous kernel's output
     stage_x<M, T::kGroup, T::kSums>(x, k, xs, xs_step, sums, sums_step);
     __syncthreads();
     if (slot >= slots) return;

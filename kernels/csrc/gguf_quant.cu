@@ -50,7 +50,19 @@
 //   bf16 (the products d * sc * q fit float32's significand, and the one
 //   subtraction rounds as gguf's numpy code does). Each thread writes 8
 //   elements (one scale group) as one 16-byte store.
+//
+// Programmatic Dependent Launch (pdl.cuh; inside CUDA graphs on Hopper): in
+// quant_gemv a warp asks L2 for its first unit of the CTA's 16 weight rows,
+// lets the next kernel launch, and only then waits for the kernel that wrote
+// x, as skinny_gemm.cu's decode kernels do (the weight is no kernel's
+// output; a prefetch is only a hint into L2, the point of coherence). Its
+// cp.async copies, x and out all come after the wait. dequantize waits first
+// thing (out is a scratch an earlier GEMM may still read), then lets the
+// next kernel launch. Numerics are unchanged.
+// pdl-aware: gguf_gemv_*_nt* gguf_dequantize_*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -107,6 +119,31 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, int bytes) {
     const unsigned dst_s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_s), "l"(src),
                  "r"(bytes));
+}
+
+__device__ __forceinline__ void prefetch_l2(unsigned long long address) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+}
+
+// Lane l asks L2 for lines l % 2 and l % 2 + 2 of weight row n0 + l / 2's
+// bytes of unit `unit` (at most 272 bytes at any misalignment: 4 lines).
+// weight: the tensor's own start (before the 16-byte rounding).
+template <class T>
+__device__ __forceinline__ void prefetch_unit(const unsigned char* weight, long long row_bytes,
+                                              int n_rows, int n0, int unit, int lane) {
+    const int row = n0 + (lane >> 1);
+    if (row >= n_rows) return;
+    const long long unit_off = static_cast<long long>(unit) * T::kUnitBytes;
+    const unsigned long long start =
+        reinterpret_cast<unsigned long long>(weight) + row * row_bytes + unit_off;
+    // The last unit of a Q8_0/Q4_0 row may hold fewer blocks.
+    const unsigned long long end = start + min(static_cast<long long>(T::kUnitBytes),
+                                               row_bytes - unit_off);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const unsigned long long line = (start & ~127ull) + 128ull * ((lane & 1) + 2 * i);
+        if (line < end) prefetch_l2(line);
+    }
 }
 
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
@@ -489,6 +526,11 @@ __device__ __forceinline__ void gemv_body(__nv_bfloat16* __restrict__ out,
     const int t = lane & 3;
     const int n0 = blockIdx.x * kRows;
     const long long row_bytes = static_cast<long long>(blocks) * T::kBlockBytes;
+    // PDL: only the weight is touched before the wait (its first unit, into
+    // L2: at the small models' shapes the CTA's whole share).
+    if (warp < units) prefetch_unit<T>(weight, row_bytes, n_rows, n0, warp, lane);
+    pdl_launch_dependents();
+    pdl_wait();  // x is an earlier kernel's output, out may be an earlier kernel's input
     // A packed tensor may start anywhere 2-byte aligned (a slice of rows):
     // count bytes from the 16-byte boundary below it, which lies in the same
     // allocation. Q4_K/Q5_K rows are 16-byte multiples and start aligned.
@@ -700,6 +742,8 @@ template <class T>
 __device__ __forceinline__ void dequantize_body(__nv_bfloat16* __restrict__ out,
                                                 const unsigned char* __restrict__ weight,
                                                 int n_rows, int k, int blocks) {
+    pdl_wait();
+    pdl_launch_dependents();
     const long long groups = static_cast<long long>(n_rows) * (k / 8);
     const long long row_bytes = static_cast<long long>(blocks) * T::kBlockBytes;
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < groups;

@@ -32,7 +32,15 @@
 // and `slots` (int32 [E], or null) names the device cache slot of each
 // expert held there (-1: read the stack): a cached expert's rows are read
 // from cache_gate_up [S, 2I, H] / cache_down [S, H, I] instead.
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing (which expert rows to read is the routing's
+// output, and the stacks may be host memory: nothing is prefetched), then
+// lets the next kernel launch.
+// pdl-aware: moe_route_* moe_gate_up_silu moe_down_sum
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -111,6 +119,8 @@ __device__ __forceinline__ void route_body(float* __restrict__ weights_out,
                                            int* __restrict__ ids_out,
                                            const T* __restrict__ logits, int tokens,
                                            int num_experts, int top_k, int normalize) {
+    pdl_wait();  // before any thread leaves: the logits are an earlier kernel's output
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int token = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (token >= tokens) return;  // the whole warp leaves together
@@ -193,6 +203,8 @@ extern "C" __global__ void __launch_bounds__(32 * kGateUpWarps)
                      const __nv_bfloat16* __restrict__ gate_up, const int* __restrict__ ids,
                      const int* __restrict__ slots, const __nv_bfloat16* __restrict__ cache_gate_up,
                      int top_k, int num_experts, int hidden_size, int intermediate) {
+    pdl_wait();  // before any thread leaves: ids and hidden are earlier kernels' outputs
+    pdl_launch_dependents();
     const int pair = blockIdx.x;
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.y * kGateUpWarps + (threadIdx.x >> 5);
@@ -247,6 +259,8 @@ extern "C" __global__ void __launch_bounds__(32 * kDownWarps)
                  const __nv_bfloat16* __restrict__ cache_down, int top_k, int num_experts,
                  int hidden_size, int intermediate) {
     __shared__ float contribution[kMaxTopK][kDownRows];
+    pdl_wait();  // act, ids and weights are earlier kernels' outputs
+    pdl_launch_dependents();
     const int token = blockIdx.x;
     const int h0 = blockIdx.y * kDownRows;
     const int lane = threadIdx.x & 31;

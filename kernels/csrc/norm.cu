@@ -19,14 +19,21 @@
 //
 // Aliasing: every thread writes exactly the elements it read, after reading
 // them, so out may be x itself. The pointers are therefore not __restrict__.
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing, then lets the next kernel launch.
+// pdl-aware: *rms_norm_*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
 // 16-byte bf16 vectors (8 bf16 in a uint4: one LDG.128/STG.128) and the
 // RMSNorm element step with kernels.reference.rms_norm's rounding. The same
-// helpers are in norm.cu and rope_cache.cu: CuPy's compile cache is keyed on
-// the source text alone, so a shared header could be served stale.
+// helpers are in norm.cu and rope_cache.cu, from before kernels/cuda_build.py
+// pasted local headers into the source (CuPy's compile cache is keyed on the
+// source text alone, so an included header could be served stale).
 __device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
     return *reinterpret_cast<const uint4*>(p);
 }
@@ -221,6 +228,8 @@ __device__ __forceinline__ void block_rows(__nv_bfloat16* out, __nv_bfloat16* re
     extern "C" __global__ void NAME##_##LAYOUT##VPT(                                             \
         __nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,                     \
         const __nv_bfloat16* weight, int tokens, int hidden, float inv_hidden, float eps) {      \
+        pdl_wait();                                                                              \
+        pdl_launch_dependents();                                                                 \
         CALL;                                                                                    \
     }
 

@@ -20,14 +20,21 @@
 // elementwise semantics: each product x * cos is a bf16 * bf16 product
 // rounded to bf16, then the difference / sum of two such is rounded to bf16.
 // The result is therefore bitwise equal to the reference.
+//
+// Programmatic Dependent Launch (pdl.cuh): every kernel waits for its
+// predecessor first thing, then lets the next kernel launch.
+// pdl-aware: rope_and_cache_d*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
 // 16-byte bf16 vectors (8 bf16 in a uint4: one LDG.128/STG.128) and the
 // RMSNorm element step with kernels.reference.rms_norm's rounding. The same
-// helpers are in norm.cu and rope_cache.cu: CuPy's compile cache is keyed on
-// the source text alone, so a shared header could be served stale.
+// helpers are in norm.cu and rope_cache.cu, from before kernels/cuda_build.py
+// pasted local headers into the source (CuPy's compile cache is keyed on the
+// source text alone, so an included header could be served stale).
 __device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
     return *reinterpret_cast<const uint4*>(p);
 }
@@ -152,6 +159,8 @@ __device__ __forceinline__ void rope_and_cache(
     constexpr int kGroup = D / 16;  // threads per head: 16 (D = 256), 8 (D = 128) or 4 (D = 64)
     static_assert(kGroup <= 32, "a head's threads share one warp (the norm's shuffles)");
     constexpr int kHalf = D / 2;
+    pdl_wait();  // before anything is read: qkv, positions and slots are earlier kernels' outputs
+    pdl_launch_dependents();
     const int heads_per_token = num_heads + 2 * num_kv_heads;
     const int thread = blockIdx.x * blockDim.x + threadIdx.x;
     const int group = thread / kGroup;

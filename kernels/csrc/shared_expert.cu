@@ -5,7 +5,12 @@
 // routed, shared, out: bf16 [T, H] contiguous (out may be either input);
 // gate: bf16 [T] (the shared_expert_gate logit, one per token).
 // One thread per 8 elements; grid: ceil(T * H / 8 / blockDim.x).
+// Programmatic Dependent Launch (pdl.cuh): it waits for its predecessor
+// first thing, then lets the next kernel launch.
+// pdl-aware: shared_expert_combine
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -37,6 +42,8 @@ extern "C" __global__ void shared_expert_combine(__nv_bfloat16* out, const __nv_
                                                  const __nv_bfloat16* shared,
                                                  const __nv_bfloat16* __restrict__ gate,
                                                  int tokens, int hidden) {
+    pdl_wait();  // before any thread leaves: every input is an earlier kernel's output
+    pdl_launch_dependents();
     const long long vector = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int vectors_per_row = hidden / 8;
     if (vector >= static_cast<long long>(tokens) * vectors_per_row) return;

@@ -46,7 +46,17 @@
 // The weight is streamed with L1::no_allocate and an L2 evict_first policy
 // (it is read once per step; x and the other activations should stay).
 // K needs only be a multiple of 8: 16-byte pieces past K load as zeros.
+//
+// Programmatic Dependent Launch (pdl.cuh; inside CUDA graphs on Hopper): in
+// the decode kernels a warp asks L2 for its first step of the weight, lets
+// the next kernel launch, and only then waits for the kernel that wrote x.
+// The weight streams while the previous kernel finishes, and the next
+// kernel's CTAs are resident when this one ends. Numerics are unchanged (the
+// same loads, in the same order, after the wait).
+// pdl-aware: skinny_gemm_m*_rg*
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -114,7 +124,9 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], unsigned a_lo, unsigne
 // A and column j of B, and rows of x sit at the same row g of every mma),
 // each chain takes the same pieces in the same order, and the warps' partials
 // are summed in warp order. Only W and steps (the K split) shape it.
-template <int RG, int TILES>
+// PDL: the decode kernels' Programmatic Dependent Launch prologue (the
+// batch-invariant skinny_rows kernels go without: it cost them spills).
+template <int RG, int TILES, bool PDL>
 __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out,
                                                  const __nv_bfloat16* __restrict__ x,
                                                  const __nv_bfloat16* __restrict__ weight,
@@ -132,6 +144,30 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
     const int t = lane & 3;
     const int n0 = cta * (8 * RG);
     const unsigned long long policy = evict_first_policy();
+
+    // This warp's next step goes into L2 while it waits for the current one
+    // (no registers held): lane l prefetches 128-byte line l & 1 of the
+    // step's row n0 + l / 2, so 16 lanes cover 8 rows x 256 bytes, 32 lanes 16.
+    const int prefetch_row = n0 + (lane >> 1);
+    const bool prefetch_lane = (lane >> 1) < 8 * RG && prefetch_row < n_rows;
+    const int prefetch_k = 64 * (lane & 1);
+    const __nv_bfloat16* prefetch_ptr =
+        weight + static_cast<long long>(prefetch_lane ? prefetch_row : 0) * k + prefetch_k;
+
+    // PDL: before the wait, only this warp's first step of the weight goes
+    // into L2 (at the small models' shapes that is the CTA's whole share).
+    // The weight is no kernel's output, and a prefetch is a hint into L2,
+    // the point of coherence, so it cannot make a later load stale. x, the
+    // bias and out are touched only after pdl_wait(). (The row pointers
+    // below are set up after it: live across the wait, they cost the RG = 2
+    // kernels a spill under their 80-register bound.)
+    if constexpr (PDL) {
+        if (prefetch_lane && warp < steps && warp * kStepK + prefetch_k < k) {
+            prefetch_l2(prefetch_ptr + warp * kStepK);
+        }
+        pdl_launch_dependents();
+        pdl_wait();
+    }
 
     // Thread (g, t)'s weight rows n0 + 8 rg + g and x rows row0 + 8 tile + g,
     // at its 16-byte slot 8 t of each 32-element piece. Rows past the end
@@ -152,15 +188,6 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
         x_valid[tile] = row < m_rows;
         x_row[tile] = x + static_cast<long long>(x_valid[tile] ? row : 0) * k + 8 * t;
     }
-
-    // This warp's next step goes into L2 while it waits for the current one
-    // (no registers held): lane l prefetches 128-byte line l & 1 of the
-    // step's row n0 + l / 2, so 16 lanes cover 8 rows x 256 bytes, 32 lanes 16.
-    const int prefetch_row = n0 + (lane >> 1);
-    const bool prefetch_lane = (lane >> 1) < 8 * RG && prefetch_row < n_rows;
-    const int prefetch_k = 64 * (lane & 1);
-    const __nv_bfloat16* prefetch_ptr =
-        weight + static_cast<long long>(prefetch_lane ? prefetch_row : 0) * k + prefetch_k;
 
     // Two accumulator chains per tile and row group (even and odd pieces), so
     // that consecutive mmas do not wait on each other's results.
@@ -268,7 +295,8 @@ __device__ __forceinline__ void skinny_gemm_body(__nv_bfloat16* __restrict__ out
                                   const __nv_bfloat16* __restrict__ weight,                \
                                   const __nv_bfloat16* __restrict__ bias, int n_rows, int k, \
                                   int steps) {                                             \
-        skinny_gemm_body<RG, 1>(out, x, weight, bias, n_rows, k, steps, M, blockIdx.x, 0);  \
+        skinny_gemm_body<RG, 1, true>(out, x, weight, bias, n_rows, k, steps, M, blockIdx.x, \
+                                      0);                                                \
     }
 
 #define SKINNY_GEMM_KERNELS(M)             \
@@ -300,7 +328,7 @@ SKINNY_GEMM_KERNELS(8)
         const int in_group = min(group_chunks, chunks - first);                              \
         const int rest = static_cast<int>(blockIdx.x) - first * ctas;                        \
         const int chunk = first + rest % in_group;                                           \
-        skinny_gemm_body<RG, T>(out, x, weight, bias, n_rows, k, steps, m_rows,             \
+        skinny_gemm_body<RG, T, false>(out, x, weight, bias, n_rows, k, steps, m_rows,      \
                                 rest / in_group, chunk * 8 * T);                             \
     }
 

@@ -46,3 +46,14 @@ def tiny_qwen3_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFac
     log = tmp_path_factory.mktemp("tiny-qwen3-server") / "router.log"
     with running_server([str(tiny_qwen3_dir), "--threads", "1"], log) as server:
         yield server
+
+
+@pytest.fixture(scope="package")
+def smollm2_server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`serve <SmolLM2> --threads 1 --max-concurrency 4`, shared by the modules
+    that send a single-model server independent requests (llama.cpp's API on
+    one model, the Responses API's log probabilities): one start of SmolLM2,
+    where each module's own took 10 s on CI's two cores."""
+    log = tmp_path_factory.mktemp("smollm2-server") / "router.log"
+    with running_server([str(smollm2_gguf), "--threads", "1", "--max-concurrency", "4"], log) as server:
+        yield server

@@ -85,12 +85,14 @@ def test_sdk_sees_a_bad_request(client: openai.OpenAI) -> None:
 
 
 def test_prompt_longer_than_the_context(router: Server) -> None:
-    body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hello " * 3000}]}
+    # SmolLM2 (8192 tokens of context), which the modules around this one use:
+    # the package's --models-max 1 router keeps it loaded instead of switching.
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hello " * 9000}]}
     response = router.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "2048" in error["message"] and "300" in error["message"]
+    assert "8192" in error["message"] and "903" in error["message"]
 
 
 def test_unknown_route_in_the_same_shape(router: Server) -> None:

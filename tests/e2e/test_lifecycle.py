@@ -72,6 +72,9 @@ def test_a_model_that_fails_to_load_is_reported_and_retried(client: openai.OpenA
     assert card["status"]["value"] == "unloaded" and card["status"]["failed"] is True
     assert "NoSuchModelForCausalLM" in card["status"]["error"]
     assert card["status"]["exit_code"] == 1
+    # Both failures on the stream before it is closed (close() ends it at once).
+    watcher.wait_for(lambda: watcher.statuses("broken") == ["loading", "unloaded"] * 2,
+                     what="two failed loads")
     watcher.close()
     failures = [e["data"] for e in watcher.events if e["model"] == "broken" and e["data"]["status"] == "unloaded"]
     assert len(failures) == 2 and all(f["failed"] and "NoSuchModelForCausalLM" in f["error"] for f in failures)
@@ -98,3 +101,12 @@ def test_an_engine_that_dies_fails_its_requests_and_comes_back(client: openai.Op
     reply = client.chat.completions.create(model="qwen3-tiny", messages=HI, max_tokens=2)
     assert reply.usage.completion_tokens == 2
     assert router.load()["qwen3-tiny"]["pid"] != pid
+
+
+def test_closing_a_watcher_does_not_wait_for_the_next_keep_alive(router: Server) -> None:
+    # tests/support/sse.py: the stream is quiet for 5 s between keep-alives;
+    # close() used to wait that long for its reader's read to return.
+    watcher = SseWatcher(router.url + "/models/sse")
+    started = time.monotonic()
+    watcher.close()
+    assert time.monotonic() - started < 2

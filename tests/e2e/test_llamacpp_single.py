@@ -4,14 +4,13 @@ any model name accepted, and grammar-constrained /completion."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from router.text.model_text import ModelText
 from tests.e2e.llamacpp_support import stream_events
-from tests.support.server import Server, running_server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +19,9 @@ CAT_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("llamacpp-single") / "router.log"
-    with running_server([str(smollm2_gguf), "--threads", "1", "--max-concurrency", "4"], log) as running:
-        yield running
+def server(smollm2_server: Server) -> Server:
+    """SmolLM2 served alone with 4 lanes (tests/e2e/conftest.py)."""
+    return smollm2_server
 
 
 def test_props_of_the_one_model(server: Server, smollm2_gguf: Path) -> None:

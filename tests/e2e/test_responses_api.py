@@ -476,10 +476,9 @@ INCLUDE = ["message.output_text.logprobs"]
 
 
 @pytest.fixture(scope="module")
-def smollm2_client(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    log = tmp_path_factory.mktemp("responses-smollm2") / "router.log"
-    with running_server([str(smollm2_gguf), "--threads", "1"], log) as running:
-        yield openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=300)
+def smollm2_client(smollm2_server: Server) -> openai.OpenAI:
+    """SmolLM2 served alone (tests/e2e/conftest.py)."""
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
 
 
 def test_output_text_logprobs_equal_transformers(smollm2_client: openai.OpenAI, smollm2_gguf: Path,

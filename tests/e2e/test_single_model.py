@@ -65,15 +65,16 @@ def test_engines_die_with_a_killed_router(tmp_path: Path, tiny_qwen3_dir: Path) 
         wait_until(lambda: not _alive(pid), 10, "the orphaned engine to exit")
 
 
-def test_a_port_clash_is_reported_at_once(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    with running_server([str(tiny_qwen3_dir), "--threads", "1"], tmp_path / "a.log") as server:
-        started = time.monotonic()
-        clash = subprocess.run(
-            [sys.executable, "-m", "router", "serve", str(tiny_qwen3_dir), "--port", str(server.port)],
-            capture_output=True, text=True, timeout=60)
-        assert clash.returncode != 0
-        assert "address already in use" in clash.stderr.lower()
-        assert time.monotonic() - started < 10
+def test_a_port_clash_is_reported_at_once(tiny_qwen3_server: Server, tiny_qwen3_dir: Path) -> None:
+    # The package's running server (tests/e2e/conftest.py) holds the port.
+    started = time.monotonic()
+    clash = subprocess.run(
+        [sys.executable, "-m", "router", "serve", str(tiny_qwen3_dir), "--port",
+         str(tiny_qwen3_server.port)], capture_output=True, text=True, timeout=60)
+    assert clash.returncode != 0
+    assert "address already in use" in clash.stderr.lower()
+    assert time.monotonic() - started < 10
+    assert tiny_qwen3_server.get("/health").status_code == 200
 
 
 def _status(url: str) -> int:

@@ -70,3 +70,20 @@ def run_recorded(core: EngineCore, events: list[p.EngineEvent],
 def prompt(first: int, length: int) -> list[int]:
     """A prompt of distinct ordinary token ids."""
     return [first + 3 * i for i in range(length)]
+
+
+class RecordedDrafter:
+    """Drafts each request's continuation from a recorded run, every third
+    guess wrong, so that verify steps keep some drafts and reject others."""
+
+    def __init__(self, recorded: dict[tuple[int, ...], list[int]]) -> None:
+        self.recorded = recorded
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        for prompt_ids, output in self.recorded.items():
+            if tuple(token_ids[: len(prompt_ids)]) == prompt_ids:
+                done = len(token_ids) - len(prompt_ids)
+                draft = output[done : done + max_tokens]
+                return [token + 1 if (done + i) % 3 == 2 else token
+                        for i, token in enumerate(draft)]
+        return []

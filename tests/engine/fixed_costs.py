@@ -29,3 +29,7 @@ class FixedCosts(DraftCosts):
     @property
     def costs(self) -> tuple[float, float]:
         return self._fixed
+
+    @property
+    def step_shares(self) -> float:
+        return self._fixed[1]

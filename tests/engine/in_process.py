@@ -33,6 +33,19 @@ def make_engine(model: Path, **options: object) -> tuple[EngineCore, list[p.Engi
 _SHARED_WEIGHTS: dict[tuple[Path, torch.dtype, int], LoadedModel] = {}
 
 
+def shared_weights(model: Path, dtype: torch.dtype = torch.float32,
+                   host_expert_layers: int = 0) -> LoadedModel:
+    """The checkpoint's CPU weights, read on the first call of the session.
+    Only for reading: an engine gets a model object of its own
+    (make_engine_sharing_weights), and a test that runs the model itself
+    must not change it."""
+    key = (model.resolve(), dtype, host_expert_layers)
+    if key not in _SHARED_WEIGHTS:
+        _SHARED_WEIGHTS[key] = load_model(model, torch.device("cpu"), dtype,
+                                          host_expert_layers=host_expert_layers)
+    return _SHARED_WEIGHTS[key]
+
+
 def make_engine_sharing_weights(model: Path, **options: object
                                 ) -> tuple[EngineCore, list[p.EngineEvent]]:
     """make_engine on CPU with the checkpoint read only once per session:
@@ -43,14 +56,9 @@ def make_engine_sharing_weights(model: Path, **options: object
     launch = p.EngineOptions(**options)  # type: ignore[arg-type]
     assert launch.device == "cpu" and not launch.draft_model and not launch.threads, (
         "CPU engines without a draft model or a thread count only")
-    dtype = resolve_dtype(launch)
-    key = (model.resolve(), dtype, launch.host_expert_layer_count)
-    if key not in _SHARED_WEIGHTS:
-        _SHARED_WEIGHTS[key] = load_model(model, torch.device("cpu"), dtype,
-                                          host_expert_layers=launch.host_expert_layer_count)
+    shared = shared_weights(model, resolve_dtype(launch), launch.host_expert_layer_count)
     # A model object of its own (sharing the weight tensors and layers): the
     # engine sets its ops on it, and a test may patch one engine's model.
-    shared = _SHARED_WEIGHTS[key]
     loaded = dataclasses.replace(shared, model=copy.copy(shared.model))
     events: list[p.EngineEvent] = []
     core, _ = assemble_engine(loaded, model, launch, lambda fraction, message: None, events.append)

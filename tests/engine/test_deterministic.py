@@ -4,8 +4,9 @@ as decode rows. A request's tokens, and the logits each was drawn from, are
 the same bits alone, beside other requests, under another step budget (its
 prompt chunked otherwise), after a prefix-cache hit and after a multi-turn
 hit whose prefix holds tokens an earlier request generated; a seeded
-sampled request draws the same tokens alone and batched. What the mode
-cannot serve is refused at start."""
+sampled request draws the same tokens alone and batched. Under speculation
+a greedy request's tokens are plain decoding's, and sampled requests do not
+draft. What the mode cannot serve is refused at start."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from engine.execution.fp8_weight import Fp8Weight
 from engine.execution.step_inputs import as_decode_rows, build_step_inputs
 from engine.loader import load_model
 from engine.process.deterministic_setup import refuse_unsupported
-from tests.engine.batch_invariance import Outcome, Requests, prompt, run_recorded
+from tests.engine.batch_invariance import (
+    Outcome,
+    RecordedDrafter,
+    Requests,
+    prompt,
+    run_recorded,
+)
 from tests.engine.in_process import SMALL_STEPS, make_engine, run_to_completion, step_outputs
 
 NEW_TOKENS = 8
@@ -194,7 +201,7 @@ def test_prompt_scores_read_each_chunks_rows(tiny_qwen3_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("options", "reason"), [
-    ({"spec": "ngram"}, "--spec ngram"),
+    ({"spec": "mtp"}, "--spec mtp"),
     ({"vision": True}, "--vision"),
     ({"quantize": "fp8"}, "--quantize fp8"),
     ({"gguf_weights": "packed"}, "--gguf-weights packed"),
@@ -225,3 +232,53 @@ def test_fp8_matrices_are_refused(tiny_qwen3_dir: Path) -> None:
     mlp.down_weight = Fp8Weight([rows], k, "cpu")
     with pytest.raises(ValueError, match="FP8 or packed GGUF"):
         refuse_unsupported(loaded, use_kernels=False)
+
+
+def run_drafting(model: Path, requests: Requests, recorded: dict[tuple[int, ...], list[int]]
+                 ) -> tuple[dict[str, Outcome], tuple[int, int]]:
+    """The requests' outcomes with the recorded drafter, and (draft tokens
+    verified, kept) over all of them."""
+    core, events = make_engine(model, **SMALL_STEPS, deterministic=True, spec="ngram",
+                               draft_tokens=3)
+    core.scheduler.drafter = RecordedDrafter(recorded)  # type: ignore[assignment]
+    outcomes = run_recorded(core, events, requests)
+    outputs = [output for event in events if isinstance(event, p.StepOutputs)
+               for output in event.outputs]
+    return outcomes, (sum(o.num_draft_tokens for o in outputs),
+                      sum(o.num_draft_accepted for o in outputs))
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_drafted_greedy_tokens_are_plain_decodings_alone_and_batched(tiny_qwen3_dir: Path,
+                                                                    count: int) -> None:
+    """Speculation under the mode: a greedy request's verified tokens are
+    the argmaxes of the same logits plain decoding computes, so its tokens
+    are plain decoding's, whatever shares its steps and however many of its
+    drafts are kept."""
+    requests = {**others(count), "target": (TARGET, greedy(12))}
+    plain = run(tiny_qwen3_dir, requests)
+    recorded = {tuple(requests[name][0]): outcome.tokens for name, outcome in plain.items()}
+    drafted, (verified, kept) = run_drafting(tiny_qwen3_dir, requests, recorded)
+    assert 0 < kept < verified
+    for name in requests:
+        assert drafted[name].tokens == plain[name].tokens, name
+
+
+def test_sampled_rows_do_not_draft_under_the_mode(tiny_qwen3_dir: Path) -> None:
+    """A seeded sampled row keeps its tokens alone and batched: it never
+    drafts (its draws would depend on draft lengths, which depend on the
+    batch); a greedy row beside it does."""
+    sampled = p.SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    alone = run(tiny_qwen3_dir, {"target": (TARGET, sampled)})["target"]
+    requests = {"greedy": (prompt(3000, 9), greedy(8)), "target": (TARGET, sampled)}
+    plain = run(tiny_qwen3_dir, requests)
+    recorded = {tuple(requests[name][0]): outcome.tokens for name, outcome in plain.items()}
+    core, events = make_engine(tiny_qwen3_dir, **SMALL_STEPS, deterministic=True,
+                               spec="ngram", draft_tokens=3)
+    core.scheduler.drafter = RecordedDrafter(recorded)  # type: ignore[assignment]
+    drafted = run_recorded(core, events, requests)
+    assert drafted["target"].same_bits(alone)
+    assert drafted["greedy"].tokens == plain["greedy"].tokens
+    drafts = {output.request_id for event in events if isinstance(event, p.StepOutputs)
+              for output in event.outputs if output.num_draft_tokens}
+    assert drafts == {"greedy"}

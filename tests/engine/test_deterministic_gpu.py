@@ -5,6 +5,8 @@ of every padded size, eager mixed steps), with graphs off, under other step
 budgets (its prompt chunked otherwise), after a prefix-cache hit and after a
 multi-turn hit on tokens an earlier request generated; a seeded sampled
 request draws the same tokens alone and batched (the sampling kernel).
+Under speculation a greedy request's tokens are plain decoding's, alone and
+batched, with drafts kept and rejected (verify steps on the decode graphs).
 
 Models: random-weight Qwen3 (q/k norms) and Qwen2 (q/k/v biases) with 128-wide
 heads, which our kernels and graphs serve.
@@ -19,7 +21,13 @@ import pytest
 import torch
 
 import protocol as p
-from tests.engine.batch_invariance import Outcome, Requests, prompt, run_recorded
+from tests.engine.batch_invariance import (
+    Outcome,
+    RecordedDrafter,
+    Requests,
+    prompt,
+    run_recorded,
+)
 from tests.engine.in_process import make_engine
 from tests.support.tiny_models import QWEN_BOS, QWEN_EOS, QWEN_VOCAB, save_with_qwen3_tokenizer
 
@@ -139,3 +147,22 @@ def test_the_mode_computes_the_same_model(model_dir: Path, alone: Outcome) -> No
     default = run(model_dir, {"target": (TARGET, greedy(1))}, deterministic=False)["target"]
     ours, theirs = alone.logits[0], default.logits[0]
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.999
+
+
+@pytest.mark.parametrize("count", [0, 7, 31])
+def test_drafted_greedy_tokens_are_plain_decodings(model_dir: Path, count: int) -> None:
+    requests = {**others(count), "target": (TARGET, greedy())}
+    plain = run(model_dir, requests)
+    recorded = {tuple(requests[name][0]): outcome.tokens for name, outcome in plain.items()}
+    core, events = make_engine(model_dir, **OPTIONS, spec="ngram", draft_tokens=4)
+    core.scheduler.drafter = RecordedDrafter(recorded)  # type: ignore[assignment]
+    drafted = run_recorded(core, events, requests)
+    outputs = [output for event in events if isinstance(event, p.StepOutputs)
+               for output in event.outputs]
+    assert 0 < sum(o.num_draft_accepted for o in outputs) < sum(o.num_draft_tokens
+                                                                for o in outputs)
+    for name in requests:
+        assert drafted[name].tokens == plain[name].tokens, name
+    del core, events
+    gc.collect()
+    torch.cuda.empty_cache()

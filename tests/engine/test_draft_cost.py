@@ -39,18 +39,36 @@ def test_it_fits_verify_and_step_costs_from_step_times() -> None:
     costs = DraftCosts()
     plain(costs, 40, 8, 0.002, 0.001)
     drafting(costs, 40, 8, 4, 0.002, 0.001, 0.003, [4, 8, 12, 16])
-    # A step without overlap or drafts (the one after a verify step) costs
-    # the overlap alone: it is no drafting step.
-    costs.observe(8, 0, 0, 0.010 + 0.001, True)
-    costs.observe(8, 12, 4, 0.002 + 0.001 * 20 + 0.003, True)  # the last drafting step: 4 rows
     report = costs.report()
     assert report["measured"] and report["fitted"]
     assert report["b"] == pytest.approx(0.001)
-    assert report["c"] == pytest.approx(0.003)
+    assert report["c"] == pytest.approx(0.003) and report["tail"] == 0
     assert report["t_plain"] == pytest.approx(0.010)
     # A draft token costs 1 ms of a row's 1.25 ms share; the 3 ms fixed
-    # cost shared by the 4 rows that draft: 0.75 ms each.
+    # cost shared by the 4 rows that draft: 0.75 ms each. The step's
+    # drafts together pay all of it: 2.4 shares.
     assert costs.costs == pytest.approx((0.8, 0.6))
+    assert costs.step_shares == pytest.approx(2.4)
+
+
+def test_steps_without_overlap_or_drafts_are_drafting_s_cost() -> None:
+    """The step after a verify step loses the overlap without drafting: it
+    is no drafting step (it stays out of the fit), but its time beyond a
+    plain step's is spread over the drafting steps, in c."""
+    costs = DraftCosts()
+    plain(costs, 40, 8, 0.002, 0.001)
+    # Each drafting step followed by one without drafts that took 2 ms more
+    # than a plain step.
+    for count in [4, 8, 12, 16] * 10:
+        drafting(costs, 1, 8, 4, 0.002, 0.001, 0.003, [count])
+        costs.observe(8, 0, 0, 0.010 + 0.002, True)
+    report = costs.report()
+    assert report["b"] == pytest.approx(0.001)
+    # 2 ms of tail per drafting step, but the last one's is yet to come.
+    assert report["tail"] == pytest.approx(0.002, rel=0.03)
+    assert report["c"] == pytest.approx(0.003 + report["tail"])
+    assert costs.step_shares == pytest.approx((0.003 + report["tail"]) * 8 / 0.010)
+    assert costs.costs[1] == pytest.approx(costs.step_shares / 4)
 
 
 def test_the_rows_of_a_step_are_priced_like_its_draft_tokens() -> None:
@@ -162,3 +180,12 @@ def test_an_engine_that_only_drafts_pauses_drafting_once_to_measure_plain_steps(
     drafting(costs, 10 * CALIBRATE_AFTER, 4, 4, 0.001, 0.001, 0.004, [1, 8])
     assert not any(costs.pauses(clock) for clock in range(100, 200))
     assert costs.measured
+
+
+def test_a_long_stretch_of_steps_without_overlap_counts_at_most_two_per_drafting_step() -> None:
+    costs = DraftCosts()
+    plain(costs, 40, 8, 0.002, 0.001)
+    drafting(costs, 20, 8, 4, 0.002, 0.001, 0.003, [4, 8, 12, 16])
+    for _ in range(500):  # nothing drafts, yet the loop keeps losing its overlap
+        costs.observe(8, 0, 0, 0.010 + 0.002, True)
+    assert costs.report()["tail"] == pytest.approx(2 * 0.002, rel=0.01)

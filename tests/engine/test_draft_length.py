@@ -272,3 +272,12 @@ def test_the_estimate_follows_a_change_of_workload_within_a_few_requests(
         _, now = serve(engine, now, kept=False, max_tokens=max_tokens)
     assert starts[0] == max_tokens and starts[-1] == 0, starts
     assert starts == sorted(starts, reverse=True) and starts[2] < max_tokens, starts
+
+
+def test_expected_kept_is_the_sum_of_the_acceptance_s_powers() -> None:
+    from engine.sampling.draft_length import expected_kept
+
+    for acceptance in (0.0, 0.3, 0.6, 0.999, 1.0):
+        for tokens in (0, 1, 4, 8):
+            assert expected_kept(acceptance, tokens) == pytest.approx(
+                sum(acceptance**i for i in range(1, tokens + 1)))

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine.execution.attention_metadata import AttentionMetadata
-from engine.loader import load_model
 from engine.models import CausalLM
+from tests.engine import in_process
 
 PAGE_SIZE = 16
 CHUNK = 7
@@ -146,7 +146,9 @@ def subject(request: pytest.FixtureRequest) -> Subject:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         prompts = _prompts(AutoTokenizer.from_pretrained(path), chat=False)
     hf.eval()
-    ours = load_model(path, torch.device("cpu"), torch.float32).model
+    # SmolLM2's GGUF takes seconds to read: its weights are the engine tests'
+    # (tests/engine/in_process.py), which this module only runs forward.
+    ours = in_process.shared_weights(path).model
     return Subject(name, ours, hf, prompts)
 
 

@@ -8,6 +8,7 @@ transformers, so the test needs no fixture from a registry.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,14 @@ def qwen3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model: Path) -> tuple[EngineCore, list[p.EngineEvent]]:
+    # The device memory of the tests before, which the byte counts below
+    # must not see: engines of other test modules still in reference
+    # cycles hold blocks in the allocator's segments, so a sleep could not
+    # give those segments back (in an engine process nothing else lives
+    # there), and their cached free blocks would let a wake succeed that
+    # needs more memory than is free. (Seen in a full GPU run, 2026-12-02.)
+    gc.collect()
+    torch.cuda.empty_cache()
     return in_process.make_engine(model, device="cuda", dtype="bfloat16", page_size=16, max_concurrency=4,
                                   max_batched_tokens=256, kv_capacity_tokens=KV_TOKENS)
 

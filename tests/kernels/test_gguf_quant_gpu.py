@@ -294,7 +294,12 @@ def test_cuda_core_gemv_matches_gguf_dequantize_then_matmul(qtype: int, n: int, 
     written), within float32 accumulation of the exact product, the same bits
     twice, and what quant_gemv dispatches to for these rows."""
     from kernels.cuda_build import sm_count
-    from kernels.gguf_quant import cuda_core_gemv_fits, quant_gemv, quant_gemv_cuda_cores
+    from kernels.gguf_quant import (
+        CUDA_CORE_GEMV_ROWS,
+        cuda_core_gemv_fits,
+        quant_gemv,
+        quant_gemv_cuda_cores,
+    )
 
     packed, weight = packed_weight(qtype, n, k, seed=n * 5 + k + qtype)
     packed_before = packed.clone()
@@ -311,7 +316,10 @@ def test_cuda_core_gemv_matches_gguf_dequantize_then_matmul(qtype: int, n: int, 
         assert_close_to_exact(out, x, weight64, f"CUDA cores {TYPES[qtype]} {n}x{k} M={rows}")
         again = quant_gemv_cuda_cores(x, packed, qtype)
         assert torch.equal(again, out), "not deterministic"
-        assert torch.equal(quant_gemv(x, packed, qtype), out), "quant_gemv took another kernel"
+        if rows <= CUDA_CORE_GEMV_ROWS.get(qtype, 0):
+            # Within the measured rule, quant_gemv dispatches here.
+            assert torch.equal(quant_gemv(x, packed, qtype), out), \
+                "quant_gemv took another kernel"
     assert torch.equal(packed, packed_before)
 
 

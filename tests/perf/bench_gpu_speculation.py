@@ -103,6 +103,14 @@ class FullLength:
     def limit(self, num_output_tokens: int) -> int:
         return self.max_tokens
 
+    def probes(self, num_output_tokens: int) -> bool:
+        # The scheduler's step gate passes a step with a probe: these rows
+        # draft whatever their drafts are worth.
+        return True
+
+    def switch_off(self, num_output_tokens: int) -> None:
+        raise AssertionError("the step gate passes a step with a probe")
+
     def record(self, proposed: int, accepted: int, num_output_tokens: int) -> None:
         pass
 

@@ -117,10 +117,10 @@ def capacity(root: Path, shape: str, context: int, limit: int, device_args: list
             "loads": loaded, "devices": ledger}
 
 
-def round_robin(root: Path, shape: str, rounds: int, context: int, device_args: list[str],
-                log: Path) -> dict[str, Any]:
+def round_robin(root: Path, shape: str, count: int, rounds: int, context: int,
+                device_args: list[str], log: Path) -> dict[str, Any]:
     models = root / "rr"
-    names = [f"rr{i}" for i in range(4)]
+    names = [f"rr{i}" for i in range(count)]
     for name in names:
         write_sparse_qwen3(models / name, shape)
     preset = root / "rr.ini"
@@ -129,12 +129,12 @@ def round_robin(root: Path, shape: str, rounds: int, context: int, device_args: 
     with running_server(args, log) as server:
         for name in names:
             ttft(server, name, "warm up")
-        many = [ttft(server, names[i % 4], prompt(i)) for i in range(rounds)]
+        many = [ttft(server, names[i % count], prompt(i)) for i in range(rounds)]
     single_args = [str(models / names[0]), "--max-context", str(context), *device_args]
     with running_server(single_args, log.with_suffix(".single.log")) as server:
         ttft(server, names[0], "warm up")
         one = [ttft(server, names[0], prompt(i)) for i in range(rounds)]
-    return {"models": 4, "ttft_round_robin": summary(many), "ttft_single_model": summary(one),
+    return {"models": count, "ttft_round_robin": summary(many), "ttft_single_model": summary(one),
             "ratio_median": round(statistics.median(many) / statistics.median(one), 3)}
 
 
@@ -176,11 +176,13 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="roundhouse-bench-gpu-"))
     parts = set(args.parts.split(","))
     if args.smoke:
+        # Two models: each is an engine start, and one round robin shows the path.
         shape, device_args, limit, rounds, context = "qwen3-tiny", ["--device", "cpu"], 2, 3, 2048
-        parts = {"round_robin"}
+        parts, robin = {"round_robin"}, 2
     else:
         shape, device_args, limit, rounds, context = "qwen3-0.6b", [], args.max_models, \
             args.rounds, 8192
+        robin = 4
     # Two shares fit on an H200 (141 GB), three do not.
     share = 60000
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
@@ -190,7 +192,7 @@ def main() -> None:
                                       root / "capacity.log")
         print(json.dumps(result["capacity"]["resident_at_once"]), flush=True)
     if "round_robin" in parts:
-        result["round_robin"] = round_robin(root, shape, rounds, context, device_args,
+        result["round_robin"] = round_robin(root, shape, robin, rounds, context, device_args,
                                             root / "rr.log")
         print(json.dumps(result["round_robin"]), flush=True)
     if "switching" in parts:

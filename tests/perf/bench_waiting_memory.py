@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/perf/bench_waiting_memory.py [--waiting 500]
     .venv/bin/python tests/perf/bench_waiting_memory.py --smoke    # 5 waiting: does it run?
+    .venv/bin/python tests/perf/bench_waiting_memory.py --model DIR  # script this tiny Qwen3
 
 A router with one lane (a scripted engine, so no model memory is involved)
 gets one long streamed request holding the lane, then N more that wait; the
@@ -74,11 +75,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--waiting", type=int, default=500)
     parser.add_argument("--smoke", action="store_true", help="only check that it runs: 5 waiting")
+    parser.add_argument("--model", type=Path, help="a tiny Qwen3 directory (tests/support/"
+                        "tiny_models.py) whose tokenizer the script uses (default: built here)")
     args = parser.parse_args()
     if args.smoke:
         args.waiting = 5
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_tiny_model("qwen3", Path(tmp) / "base")
+        base = args.model or build_tiny_model("qwen3", Path(tmp) / "base")
         models = Path(tmp) / "models"
         models.mkdir()
         scripted_model(models / "m", base, QWEN3_SCRIPT)

@@ -470,5 +470,5 @@ def test_deterministic_reaches_the_engine_from_the_command_line_and_a_preset(
         assert section is not None
         assert resolve_settings([shared, section.values()]).engine.deterministic is expected
     # What the mode cannot honour stops the server at start, not at a load.
-    with pytest.raises(ValueError, match="--deterministic cannot be combined with --spec ngram"):
-        resolve_settings([{"deterministic": True, "spec": "ngram"}])
+    with pytest.raises(ValueError, match="--deterministic cannot be combined with --vision"):
+        resolve_settings([{"deterministic": True, "vision": True}])

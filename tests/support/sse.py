@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -54,4 +56,13 @@ class SseWatcher:
         raise AssertionError(f"timed out waiting for {what}; events: {self.events}")
 
     def close(self) -> None:
+        # NOTE: closing the response alone waits for the reader's blocked read
+        # to return (the buffered reader's lock), that is for the server's next
+        # keepalive comment: 5 s a close. Shutting the socket down ends the
+        # stream now; the reader still takes every event already received.
+        connection = self._response.raw.connection
+        if connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
         self._response.close()
