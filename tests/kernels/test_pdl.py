@@ -15,6 +15,7 @@ import sys
 import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -365,24 +366,40 @@ def _cuobjdump() -> str | None:
     return str(candidate) if candidate.is_file() else None
 
 
-def _compile(nvcc: str, source: str, kind: str, out_dir: Path) -> tuple[str, Path]:
-    out = out_dir / f"{source}.{kind}"
+@dataclass(frozen=True)
+class Built:
+    """One source's PTX text and cubin from a single nvcc run."""
+
+    ptx: str
+    cubin: Path
+
+
+def _build(nvcc: str, source: str, out_dir: Path) -> tuple[str, Built]:
+    """nvcc's cubin of source, keeping its intermediate PTX: one front-end
+    pass serves both checks (compiling twice cost the suite ~10 s)."""
+    keep = out_dir / source
+    keep.mkdir()
+    cubin = keep / f"{source}.cubin"
     result = subprocess.run(
-        [nvcc, "-arch=sm_90", "-std=c++17", f"--{kind}", "-I", str(CSRC), str(CSRC / source),
-         "-o", str(out)], capture_output=True, text=True)
+        [nvcc, "-arch=sm_90", "-std=c++17", "--cubin", "-keep", "-keep-dir", str(keep),
+         "-I", str(CSRC), str(CSRC / source), "-o", str(cubin)], capture_output=True, text=True)
     assert result.returncode == 0, f"nvcc failed on {source}:\n{result.stderr}"
-    return source, out
+    return source, Built((keep / source.replace(".cu", ".ptx")).read_text(), cubin)
 
 
 @pytest.fixture(scope="module")
-def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("needs nvcc")
-    out_dir = tmp_path_factory.mktemp("pdl_ptx")
+    out_dir = tmp_path_factory.mktemp("pdl_build")
     with ThreadPoolExecutor(len(PDL_SOURCES)) as pool:
-        built = list(pool.map(lambda s: _compile(nvcc, s, "ptx", out_dir), PDL_SOURCES))
-    return {source: path.read_text() for source, path in built}
+        return dict(pool.map(lambda s: _build(nvcc, s, out_dir), PDL_SOURCES))
+
+
+@pytest.fixture(scope="module")
+def ptx(built: dict[str, Built]) -> dict[str, str]:
+    return {source: result.ptx for source, result in built.items()}
 
 
 def _ptx_entries(text: str) -> dict[str, str]:
@@ -506,18 +523,20 @@ def test_checker_flags_a_load_before_the_wait() -> None:
         "good": None, "early": "LDG.E.128.CONSTANT", "never": "no wait"}
 
 
-def test_declared_kernels_wait_before_touching_global_memory(ptx: dict[str, str],
-                                                            tmp_path: Path) -> None:
-    nvcc, cuobjdump = _nvcc(), _cuobjdump()
-    if nvcc is None or cuobjdump is None:
-        pytest.skip("needs nvcc and cuobjdump")
-    with ThreadPoolExecutor(len(PDL_SOURCES)) as pool:
-        built = list(pool.map(lambda s: _compile(nvcc, s, "cubin", tmp_path), PDL_SOURCES))
+def test_declared_kernels_wait_before_touching_global_memory(built: dict[str, Built],
+                                                            ptx: dict[str, str]) -> None:
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("needs cuobjdump")
     early_by_kernel: dict[str, str | None] = {}
     leaving: dict[str, str | None] = {}
-    for source, cubin in built:
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True,
+    def dump(result: Built) -> str:
+        return subprocess.run([cuobjdump, "-sass", str(result.cubin)], check=True,
                               capture_output=True, text=True).stdout
+
+    with ThreadPoolExecutor(len(built)) as pool:
+        listings = dict(zip(built, pool.map(dump, built.values()), strict=True))
+    for source, sass in listings.items():
         leaving.update((name, left) for name, left in leaves_before_wait(sass).items()
                        if cuda_build.declared_pdl_aware(source, name))
         found = first_global_access_before_wait(sass)
