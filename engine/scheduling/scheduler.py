@@ -213,8 +213,9 @@ class Scheduler:
         by the rows that drafted last time; but that cost is the whole
         step's (on a GPU, chiefly the overlap it and the step after it
         lose), so rows that draft now and then, a few at a time, paid it
-        each time for a row's worth of tokens: at the 0.6B shape, batch 8,
-        with 30% of drafts wrong, 9% slower than plain. So the step's drafts
+        each time for a row's worth of tokens: on the H200 at the 0.6B
+        shape, batch 32, with 30% of drafts wrong, 9-14% slower than plain
+        (within 4% with this gate: docs/performance.md). So the step's drafts
         are weighed together: the tokens every row expects to keep against
         the whole fixed cost and the verified positions, and where they do
         not pay by MIN_GAIN the rows are switched off as a row whose own
