@@ -38,8 +38,9 @@ import torch
 from engine.execution.cuda_graphs import decode_row_capacity
 from engine.execution.model_ops import kernels_usable, make_ops
 from engine.sampling.draft_model import DraftModelDrafter
+from router.heap import freeze_long_lived
 from tests.perf.bench_gpu_speculation import PROMPT_TOKENS, run_batch
-from tests.perf.gpu_models import freeze_imports, make_engine, random_model
+from tests.perf.gpu_models import make_engine, random_model
 
 
 class TimedDrafter:
@@ -75,7 +76,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
     args = parser.parse_args()
-    freeze_imports()
+    freeze_long_lived(collect_first=True)
     if args.smoke:
         args.target, args.draft, args.batches, args.drafts, args.tokens = "tiny", "tiny", "1,2", \
             "2", 6

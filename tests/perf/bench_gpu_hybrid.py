@@ -49,8 +49,9 @@ from engine.loader import LoadedModel
 from engine.models import ModelConfig, build_model
 from engine.models.hybrid_layers import GatedAttention, GatedDeltaNet
 from engine.models.moe import SparseMoE
+from router.heap import freeze_long_lived
 from tests.perf.bench_gpu_speculation import run_batch
-from tests.perf.gpu_models import copy_bandwidth, freeze_imports, make_engine
+from tests.perf.gpu_models import copy_bandwidth, make_engine
 
 QWEN3_5_35B_A3B: dict[str, Any] = {
     "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
@@ -293,7 +294,7 @@ def transformers_rows(cfg: dict[str, Any], args: argparse.Namespace,
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    freeze_imports()  # this import makes as many objects as all the others
+    freeze_long_lived(collect_first=True)  # this import makes as many objects as all the others
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     cut = {**cfg, "num_hidden_layers": args.cut_layers}
@@ -357,7 +358,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    freeze_imports()
+    freeze_long_lived(collect_first=True)
     args.prefill = [int(n) for n in args.prefill.split(",")]
     sections = set(args.sections.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -37,8 +37,9 @@ import torch
 from engine.loader import LoadedModel
 from engine.models import ModelConfig, build_model
 from engine.models.moe import SparseMoE
+from router.heap import freeze_long_lived
 from tests.perf.bench_gpu_speculation import PROMPT_TOKENS, run_batch
-from tests.perf.gpu_models import QWEN3_COMMON, copy_bandwidth, freeze_imports, make_engine
+from tests.perf.gpu_models import QWEN3_COMMON, copy_bandwidth, make_engine
 
 QWEN3_30B_A3B: dict[str, Any] = {
     **QWEN3_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -145,7 +146,7 @@ def main() -> int:
     parser.add_argument("--skip-device", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
     args = parser.parse_args()
-    freeze_imports()
+    freeze_long_lived(collect_first=True)
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cpu" if args.smoke else "cuda")
     cuda = device.type == "cuda"

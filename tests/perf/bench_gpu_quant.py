@@ -40,8 +40,9 @@ from engine.execution.quantized_weight import QuantizedWeight
 from engine.loader import LoadedModel
 from engine.models import ModelConfig, build_model
 from kernels.gguf_reference import BLOCK_SIZES, row_bytes
+from router.heap import freeze_long_lived
 from tests.perf.bench_gpu_speculation import run_batch
-from tests.perf.gpu_models import copy_bandwidth, freeze_imports, hf_config, make_engine
+from tests.perf.gpu_models import copy_bandwidth, hf_config, make_engine
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
 TYPE_IDS = {"Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q4_0": Q4_0, "Q5_K": Q5_K}
@@ -189,7 +190,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU, seconds")
     args = parser.parse_args()
-    freeze_imports()
+    freeze_long_lived(collect_first=True)
     device = torch.device("cpu" if args.smoke else "cuda")
     cuda = device.type == "cuda"
     shapes = args.shapes.split(",")

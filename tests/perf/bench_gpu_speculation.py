@@ -59,6 +59,7 @@ import torch
 import protocol as p
 from engine.sampling.draft_length import DraftAcceptance
 from engine.scheduling.core import EngineCore
+from router.heap import freeze_long_lived
 from tests.perf.gpu_models import make_engine, random_model
 
 PROMPT_TOKENS = 128
@@ -166,8 +167,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> l
                                max_context=PROMPT_TOKENS + args.tokens + 16)
     # As the engine process does once built (engine/process/main.py): its
     # weights and graphs live as long as it does, out of full collections.
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived(collect_first=True)
     scheduler = core.scheduler
     ngram = scheduler.drafter
     rng = random.Random(0)

@@ -10,8 +10,9 @@ Three tasks: two whose answer copies from the prompt (rewrite a ~60-line
 Python file with one function renamed; repeat a ~150-word passage) and one
 that does not (a short story). Each runs with `--spec none` and with
 `--spec ngram` at each draft length K, one engine per setting, all loaded at
-once (on one copy of the weights); a round runs every task under every setting (the settings' order turns
-each round, so that none is always first after another's work) and each
+once (on one copy of the weights); a round runs every task under every
+setting (the settings' order turns each round, so that none is always first
+after another's work) and each
 figure is the best of the rounds: other work shares this machine.
 
 Per task and setting: decode tokens/s (output tokens after the first, over

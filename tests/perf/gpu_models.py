@@ -3,7 +3,6 @@ on the device (no checkpoint on disk), and engines around them."""
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import tempfile
@@ -38,15 +37,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 # The tokens of Qwen3's tokenizer (its embedding has spare rows past these).
 QWEN3_TEXT_VOCAB = 151669
-
-
-def freeze_imports() -> None:
-    """Hide what the imports made from every later garbage collection, as the
-    engine process hides what it built (engine/process/main.py). run_batch
-    collects before each timed window: walking torch's and transformers'
-    objects each time took 0.1-0.2 s a collection on the CPU machines."""
-    gc.collect()
-    gc.freeze()
 
 
 def hf_config(shape: str) -> dict[str, Any]:
