@@ -91,10 +91,6 @@ __device__ __forceinline__ float e4m3_to_float(unsigned byte) {
     return f * 0x1p8f;
 }
 
-__device__ __forceinline__ void prefetch_l2(const unsigned char* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // 16 weight bytes, read once: not kept in L1. kCoherent: without .nc, for
 // fp8_gemv's first block, which follows pdl_wait(): ptxas 13.0 scheduled a
 // .nc load of it above the wait (.nc data is read-only for the kernel's

@@ -157,10 +157,6 @@ __device__ __forceinline__ void words_a2(const unsigned char* a, unsigned shift,
     for (int i = 0; i < N; ++i) out[i] = __funnelshift_r(w[i], w[i + 1], shift);
 }
 
-__device__ __forceinline__ void prefetch_l2(unsigned long long address) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
-}
-
 // ---- integers to floats ----
 
 __device__ __forceinline__ float low_half_to_float(unsigned w) {

@@ -121,10 +121,6 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, int bytes) {
                  "r"(bytes));
 }
 
-__device__ __forceinline__ void prefetch_l2(unsigned long long address) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
-}
-
 // Lane l asks L2 for lines l % 2 and l % 2 + 2 of weight row n0 + l / 2's
 // bytes of unit `unit` (at most 272 bytes at any misalignment: 4 lines).
 // weight: the tensor's own start (before the 16-byte rounding).

@@ -45,3 +45,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Ask L2 for the line holding a byte (a hint: no register, no wait). The
+// weight-streaming kernels issue it for bytes no kernel writes before
+// pdl_wait(), and for their next step's bytes while they load the current
+// one; by pointer or by a generic address as an integer.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ void prefetch_l2(unsigned long long address) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+}

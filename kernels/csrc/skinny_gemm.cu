@@ -98,10 +98,6 @@ __device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p, bool valid) {
     return v;
 }
 
-__device__ __forceinline__ void prefetch_l2(const __nv_bfloat16* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // acc += A * B for one m16n8k16 tile. a_lo / a_hi: x row g at logical
 // k = 2t, 2t+1 / 2t+8, 2t+9 (rows g + 8 are zero); b_lo / b_hi: the weight row
 // at the same k.
