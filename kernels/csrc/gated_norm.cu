@@ -17,34 +17,10 @@
 // pdl-aware: gated_rms_norm_d*
 #include <cuda_bf16.h>
 
+#include "bf16_vec.cuh"
 #include "pdl.cuh"
 
 namespace {
-
-// 16-byte bf16 vectors, as in norm.cu and rope_cache.cu (each source file
-// carries its own copy, from before kernels/cuda_build.py pasted local
-// headers into the source: CuPy's compile cache is keyed on the source text).
-__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const uint4*>(p);
-}
-
-__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
-    *reinterpret_cast<uint4*>(p) = v;
-}
-
-__device__ __forceinline__ float vec_get(const uint4& v, int i) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-    return __bfloat162float(h[i]);
-}
-
-__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
-    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
-    h[i] = x;
-}
-
-__device__ __forceinline__ float round_bf16(float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
 
 // torch's CUDA silu: x / (1 + exp(-x)) in float32 (IEEE division, expf).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, 1.0f + expf(-x)); }

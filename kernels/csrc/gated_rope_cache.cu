@@ -29,30 +29,10 @@
 // pdl-aware: gated_rope_and_cache_d* sigmoid_gate_mul
 #include <cuda_bf16.h>
 
+#include "bf16_vec.cuh"
 #include "pdl.cuh"
 
 namespace {
-
-// 16-byte bf16 vectors, as in norm.cu and rope_cache.cu (each source file
-// carries its own copy, from before kernels/cuda_build.py pasted local
-// headers into the source: CuPy's compile cache is keyed on the source text).
-__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const uint4*>(p);
-}
-
-__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
-    *reinterpret_cast<uint4*>(p) = v;
-}
-
-__device__ __forceinline__ float vec_get(const uint4& v, int i) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-    return __bfloat162float(h[i]);
-}
-
-__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
-    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
-    h[i] = x;
-}
 
 // An fp8 KV cache (--kv-dtype fp8) holds float8 e4m3 bytes: x / scale rounded
 // to nearest even and saturated at +-448 (e4m3's largest finite value), as
@@ -90,19 +70,6 @@ __device__ __forceinline__ void store_cache(unsigned char* p, const uint4& v, fl
         words[i >> 2] |= float_to_e4m3(__fdiv_rn(vec_get(v, i), scale)) << (8 * (i & 3));
     }
     *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
-}
-
-__device__ __forceinline__ float round_bf16(float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
-
-__device__ __forceinline__ float vec_sum_squares(const uint4& v, float acc) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const float x = vec_get(v, i);
-        acc = fmaf(x, x, acc);
-    }
-    return acc;
 }
 
 // bf16((x * scale) * (1 + w)), each float32 step rounded once (no FMA).
