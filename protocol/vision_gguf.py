@@ -1,9 +1,9 @@
 """The VisionSpec of a llama.cpp GGUF pair: a text model GGUF and its vision
 projector ("mmproj") GGUF, as llama.cpp releases Qwen2.5-VL and Qwen3-VL.
 
-Both processes read it through these functions, each from the metadata its
-own GGUF reader gives (plain key -> value mappings), so the router's resize
-and the engine's patches and image-token checks cannot disagree.
+Both processes read it through these functions, from the metadata that
+protocol/gguf_file.py parses (plain key -> value mappings), so the router's
+resize and the engine's patches and image-token checks cannot disagree.
 
 What llama.cpp's files say, and what they leave to the reader (facts from
 llama.cpp's convert_hf_to_gguf.py and tools/mtmd/clip.cpp):

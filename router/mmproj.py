@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from protocol.gguf_file import read_gguf_metadata
 from protocol.vision import VisionSpec, VisionSpecError
 from protocol.vision_gguf import GGUFTextModel, vision_spec_from_gguf
-from router.text.gguf_metadata import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,8 @@ decode rows (engine/execution/step_inputs.py). Elsewhere RowwiseOps
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +52,7 @@ from kernels import (
     moe_reference,
     norm,
     reference,
+    skinny_fused,
 )
 from kernels.cuda_build import cuda_available
 from kernels.decode_attention import decode_workspace, paged_decode_attention
@@ -105,6 +108,30 @@ class ReferenceOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
+
+    # A dense decoder layer's fused form (engine/models/decoder.py): the norms
+    # move into the projections after them and the residual adds into those
+    # before them. Here each is its unfused chain, the same values.
+    def fuses_dense_layer(self, hidden: torch.Tensor, weights: Sequence[object]) -> bool:
+        """Whether a dense layer over hidden [M, H] with these projections
+        runs in the fused form: only where kernels fuse it (CudaOps)."""
+        return False
+
+    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, norm_weight, eps), weight, bias)."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias)
+
+    def norm_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    gate_up: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(linear(rms_norm(x, norm_weight, eps), gate_up))."""
+        return self.silu_and_mul(self.linear(self.rms_norm(x, norm_weight, eps), gate_up))
+
+    def linear_add_(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+        """residual += linear(x, weight, bias), in place (the projection
+        rounded first, as the unfused add_rms_norm adds it); returns residual."""
+        return residual.add_(self.linear(x, weight, bias))
 
     def attention(
         self,
@@ -220,6 +247,8 @@ class CudaOps(ReferenceOps):
         """deterministic: batch-invariant mode (the module's docstring)."""
         self.device = device
         self.deterministic = deterministic
+        # ROUNDHOUSE_FUSED_LAYERS=0: dense decode layers unfused (A/B runs).
+        self.fuse_layers = os.environ.get("ROUNDHOUSE_FUSED_LAYERS", "1") != "0"
         # Where packed GGUF matrices are dequantized for many-row steps
         # (kernels/gguf_quant.py), shared by every layer, allocated before
         # any graph is captured; a larger matrix goes through it in chunks.
@@ -365,6 +394,41 @@ class CudaOps(ReferenceOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(x)
+
+    def fuses_dense_layer(self, hidden: torch.Tensor, weights: Sequence[object]) -> bool:
+        # Where every projection would take the skinny kernel (decode rows,
+        # bf16 matrices the size rule gives it): there the fused kernels
+        # give the unfused kernels' bits with three launches fewer a layer.
+        # Not in batch-invariant mode, whose prefill rows must match.
+        if self.deterministic or not self.fuse_layers:
+            return False
+        rows = hidden.shape[0]
+        return (skinny_fused.rows_fusable(hidden)
+                and all(isinstance(w, torch.Tensor) and skinny_fused.weight_fusable(w, hidden)
+                        and _skinny_wins(rows, w.numel()) for w in weights))
+
+    def _fuses(self, x: torch.Tensor, weight: torch.Tensor, norm: bool) -> bool:
+        return (not self.deterministic and self.fuse_layers
+                and skinny_fused.fusable(x, weight, norm=norm)
+                and _skinny_wins(x.shape[0], weight.numel()))
+
+    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._fuses(x, weight, norm=True):
+            return skinny_fused.norm_skinny_linear(x, norm_weight, eps, weight, bias)
+        return super().norm_linear(x, norm_weight, eps, weight, bias)
+
+    def norm_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    gate_up: torch.Tensor) -> torch.Tensor:
+        if self._fuses(x, gate_up, norm=True):
+            return skinny_fused.norm_skinny_swiglu(x, norm_weight, eps, gate_up)
+        return super().norm_swiglu(x, norm_weight, eps, gate_up)
+
+    def linear_add_(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+        if self._fuses(x, weight, norm=False) and residual.is_contiguous():
+            return skinny_fused.skinny_linear_add_(x, weight, bias, residual)
+        return super().linear_add_(x, weight, bias, residual)
 
     def attention(
         self,

@@ -49,8 +49,7 @@ class LoadedModel:
     # The embedding pooling the checkpoint names itself (engine/loader/pooling.py).
     pooling: Pooling | None = None
     # A vision-language GGUF's facts that pairing it with an mmproj needs
-    # (protocol/vision_gguf.py), read while its metadata is open: reading a
-    # 150k-token vocabulary again takes seconds.
+    # (protocol/vision_gguf.py), taken from the metadata the load already read.
     gguf_text: GGUFTextModel | None = None
 
 

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGUFReader, ReaderTensor
 
+from engine.loader.gguf_file import GGUFTensor, open_gguf
 from engine.loader.gguf_weights import tensor_array
 from engine.models.vision.config import VisionTowerConfig
 from protocol.vision_gguf import TEMPORAL_PATCH_SIZE, mmproj_family
@@ -76,14 +76,12 @@ class MmprojCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            reader = GGUFReader(path)
-        except (ValueError, IndexError, OSError) as exc:
+            opened = open_gguf(path)
+        except (ValueError, OSError) as exc:
             raise ValueError(f"--mmproj {path} is not a readable GGUF file: {exc}") from None
-        self.metadata: dict[str, Any] = {name: field.contents()
-                                         for name, field in reader.fields.items()
-                                         if not name.startswith("GGUF.")}
+        self.metadata: Mapping[str, Any] = opened.metadata
         self.family = mmproj_family(self.metadata, path.name)
-        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self._tensors = {tensor.name: tensor for tensor in opened.tensors}
 
     @cached_property
     def config(self) -> VisionTowerConfig:
@@ -103,7 +101,7 @@ class MmprojCheckpoint:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ValueError(f"{self.path.name} lacks tensor {name}; the mmproj is incomplete")
-        return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        return tuple(reversed(tensor.shape))
 
     def _tower_config(self) -> VisionTowerConfig:
         depth = int(self._value("block_count"))
@@ -211,7 +209,7 @@ class MmprojCheckpoint:
         raise unknown
 
 
-def _torch(tensor: ReaderTensor) -> torch.Tensor:
+def _torch(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor in numpy's (row-major) shape, as float (F16 kept in float16)."""
     array = tensor_array(tensor)
-    return torch.from_numpy(array.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist()))))
+    return torch.from_numpy(array.reshape(tuple(reversed(tensor.shape))))

@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from engine.loader.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from engine.loader.gguf_hybrid import HYBRID_ARCHITECTURES, HybridTensors
 from engine.loader.packing import PACKED_TYPES, PackedRows
 from engine.loader.pooling import gguf_pooling
@@ -61,25 +62,26 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except (ValueError, IndexError, OSError) as exc:
+            self.file: GGUFFile = open_gguf(path)
+        except (ValueError, OSError) as exc:
             raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
-        self.config = ModelConfig.from_gguf(self.reader)
+        self.config = ModelConfig.from_gguf(self.file)
         self.size_bytes = path.stat().st_size
-        self.pooling = gguf_pooling(_metadata_value(self.reader, "pooling_type"))
+        meta = self.file.metadata
+        self.pooling = gguf_pooling(meta.arch_value("pooling_type"))
         cls = model_class(self.config.architecture)
         self._unpermute_qk = cls.gguf_permuted_qk
         self._expert_names = cls.expert_tensor_names
-        arch = self.reader.fields["general.architecture"].contents()
+        arch = meta.architecture
         # The hybrid Qwen models' converter transforms tensors beyond renaming them.
         self._hybrid = (HybridTensors(self.config, arch, self._hf_name,
-                                      int(_metadata_value(self.reader, "block_count")))
+                                      int(meta.arch_value("block_count")))
                         if arch in HYBRID_ARCHITECTURES else None)
         # llama.cpp's converter stacks the experts; old Mixtral files list them one by one.
         self.stacked_experts = any(
-            t.name.split(".")[-2] in _STACKED_EXPERTS for t in self.reader.tensors
+            t.name.split(".")[-2] in _STACKED_EXPERTS for t in self.file.tensors
         )
-        _check_tensor_types(self.reader, path)
+        _check_tensor_types(self.file.tensors, path)
         # Only hybrid files carry an MTP head we read (load_model sets this).
         self.keep_mtp = False
         # The tensors yielded as their blocks (PackedRows), by HF name
@@ -88,13 +90,13 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor, float]]:
         """(HF name, float CPU tensor shaped like the HF weight, fraction of bytes read)."""
-        total = sum(int(t.n_bytes) for t in self.reader.tensors) or 1
+        total = sum(t.n_bytes for t in self.file.tensors) or 1
         done = 0
         if self._hybrid is not None:
             self._hybrid.keep_mtp = self.keep_mtp
             self._hybrid.log_mtp()
-        for tensor in self.reader.tensors:
-            done += int(tensor.n_bytes)
+        for tensor in self.file.tensors:
+            done += tensor.n_bytes
             if tensor.name in _CONFIG_TENSORS:
                 continue
             packed = self._packed_rows(tensor)
@@ -113,8 +115,8 @@ class GGUFCheckpoint:
             self._hybrid.check_complete()
 
     def metadata(self) -> Mapping[str, Any]:
-        """The file's key-value metadata, each value read when it is asked for."""
-        return _FieldValues(self.reader)
+        """The file's key-value metadata, as plain values (protocol/gguf_file.py)."""
+        return self.file.metadata
 
     def _hf_row_order(self, name: str, array: np.ndarray) -> np.ndarray:
         """Undo the converter's q/k row permutation where it made one (rows
@@ -128,7 +130,7 @@ class GGUFCheckpoint:
     def _hf_name(self, gguf_name: str) -> str:
         return hf_name(gguf_name, self._expert_names)
 
-    def _renamed(self, tensor: ReaderTensor) -> str | None:
+    def _renamed(self, tensor: GGUFTensor) -> str | None:
         """The HF name of a tensor that loading only renames (and maybe
         reorders by rows); None for one it transforms or skips."""
         try:
@@ -142,22 +144,22 @@ class GGUFCheckpoint:
         """HF name -> (GGUF type id, HF shape) of the matrices whose blocks
         could be kept packed (engine/loader/packing.py)."""
         found = {}
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             if tensor.tensor_type not in PACKED_TYPES or len(tensor.shape) != 2:
                 continue
             name = self._renamed(tensor)
             if name is not None:
-                k, rows = (int(n) for n in tensor.shape)  # GGUF lists the innermost first
+                k, rows = tensor.shape  # GGUF lists the innermost first
                 found[name] = (int(tensor.tensor_type), (rows, k))
         return found
 
     def quantized_types(self) -> dict[str, int]:
         """Name (HF where loading only renames it, else GGUF) -> GGUF type id
         of every quantized tensor, for the load's log line."""
-        return {self._renamed(t) or t.name: int(t.tensor_type) for t in self.reader.tensors
+        return {self._renamed(t) or t.name: int(t.tensor_type) for t in self.file.tensors
                 if t.tensor_type not in _FLOAT_TYPES and t.name not in _CONFIG_TENSORS}
 
-    def _packed_rows(self, tensor: ReaderTensor) -> tuple[str, PackedRows] | None:
+    def _packed_rows(self, tensor: GGUFTensor) -> tuple[str, PackedRows] | None:
         """The tensor's blocks, for a tensor the load keeps packed."""
         if not self.packed_names or tensor.tensor_type not in PACKED_TYPES:
             return None
@@ -166,7 +168,7 @@ class GGUFCheckpoint:
             return None
         # One tensor-sized copy out of the read-only memory map.
         rows = np.array(self._hf_row_order(name, tensor.data), dtype=np.uint8, copy=True)
-        return name, PackedRows(int(tensor.tensor_type), int(tensor.shape[0]),
+        return name, PackedRows(int(tensor.tensor_type), tensor.shape[0],
                                 torch.from_numpy(rows))
 
 
@@ -214,7 +216,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
-def tensor_array(tensor: ReaderTensor) -> np.ndarray:
+def tensor_array(tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as a writable float array (F16 kept, others dequantized)."""
     if tensor.tensor_type == GGMLQuantizationType.F16:
         # Kept in float16: the copy into the model converts, with no float32 detour.
@@ -226,27 +228,10 @@ def tensor_array(tensor: ReaderTensor) -> np.ndarray:
     return np.require(array, requirements=("C", "W"))
 
 
-class _FieldValues(Mapping[str, Any]):
-    """A GGUFReader's fields as plain values, converted on access: a
-    vocabulary of 150k tokens is only turned into strings if it is read."""
-
-    def __init__(self, reader: GGUFReader) -> None:
-        self._fields = reader.fields
-
-    def __getitem__(self, key: str) -> Any:
-        return self._fields[key].contents()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
-
-    def __len__(self) -> int:
-        return len(self._fields)
-
-
-def _check_tensor_types(reader: GGUFReader, path: Path) -> None:
-    for qtype in {t.tensor_type for t in reader.tensors}:
+def _check_tensor_types(tensors: tuple[GGUFTensor, ...], path: Path) -> None:
+    for qtype in {t.tensor_type for t in tensors}:
         if not _can_dequantize(qtype):
-            names = [t.name for t in reader.tensors if t.tensor_type == qtype][:3]
+            names = [t.name for t in tensors if t.tensor_type == qtype][:3]
             raise ValueError(
                 f"{path.name}: GGUF tensor type {qtype.name} (e.g. {', '.join(names)}) cannot be "
                 "dequantized; use a file quantized as F16/BF16/Q8_0/Q4_0/Q4_1/Q5_x or a K-quant"
@@ -265,10 +250,3 @@ def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
     except NotImplementedError:
         return False
     return True
-
-
-def _metadata_value(reader: GGUFReader, key: str) -> object:
-    """`<arch>.<key>` of the file's metadata, or None."""
-    arch = reader.fields.get("general.architecture")
-    field = reader.fields.get(f"{arch.contents()}.{key}") if arch is not None else None
-    return field.contents() if field is not None else None

@@ -15,17 +15,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.loader import open_checkpoint
+from engine.loader import Checkpoint, open_checkpoint
 from engine.loader.gguf_weights import GGUFCheckpoint
 
 
-def token_strings(path: Path) -> dict[int, str] | None:
+def token_strings(checkpoint: Checkpoint) -> dict[int, str] | None:
     """The checkpoint's tokens by id, or None when it carries no tokenizer
     we can read (the embedding size then stands for the vocabulary)."""
-    checkpoint = open_checkpoint(path)
     if isinstance(checkpoint, GGUFCheckpoint):
-        field = checkpoint.reader.fields.get("tokenizer.ggml.tokens")
-        return dict(enumerate(field.contents())) if field is not None else None
+        # Read when the checkpoint was opened: the GGUF is not parsed again.
+        tokens = checkpoint.metadata().get("tokenizer.ggml.tokens")
+        return dict(enumerate(tokens)) if tokens is not None else None
     tokenizer = checkpoint.path / "tokenizer.json"
     if not tokenizer.is_file():
         return None
@@ -45,9 +45,12 @@ def token_strings(path: Path) -> dict[int, str] | None:
 def vocabulary_mismatch(target: Path, draft: Path) -> str | None:
     """Why draft cannot draft for target (what differs), or None when their
     vocabularies agree."""
-    target_size = open_checkpoint(target).config.vocab_size
-    draft_size = open_checkpoint(draft).config.vocab_size
-    target_tokens, draft_tokens = token_strings(target), token_strings(draft)
+    # Each file opened once: its config and its tokens come from the one read.
+    target_checkpoint, draft_checkpoint = open_checkpoint(target), open_checkpoint(draft)
+    target_size = target_checkpoint.config.vocab_size
+    draft_size = draft_checkpoint.config.vocab_size
+    target_tokens = token_strings(target_checkpoint)
+    draft_tokens = token_strings(draft_checkpoint)
     if target_tokens is None or draft_tokens is None:
         if target_size != draft_size:
             return (f"vocabulary sizes differ: {target_size} tokens against {draft_size} "

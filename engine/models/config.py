@@ -11,7 +11,8 @@ from gguf.quants import dequantize
 
 from kernels.reference import SUPPORTED_ROPE_TYPES
 
-if TYPE_CHECKING:  # the model classes import this module
+if TYPE_CHECKING:  # the model classes import this module, and the loaders them
+    from engine.loader.gguf_file import GGUFFile
     from engine.models.decoder import CausalLM
 
 # Keys a rope scaling dict of each type must carry.
@@ -275,11 +276,11 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> ModelConfig:
-        """Read the metadata of a gguf.GGUFReader."""
+    def from_gguf(cls, gguf_file: GGUFFile) -> ModelConfig:
+        """Read the metadata and tensor table of an opened GGUF file."""
         from engine.models import gguf_architecture, model_class
 
-        meta = _GGUFFields(reader)
+        meta = _GGUFFields(gguf_file)
         arch = meta.architecture
         num_experts = int(meta.get(f"{arch}.expert_count", 0))
         architecture = gguf_architecture(arch, has_experts=num_experts > 0)
@@ -434,25 +435,25 @@ _REQUIRED = object()
 
 
 class _GGUFFields:
-    """Typed access to a GGUFReader's metadata, with errors that name the key."""
+    """Typed access to a GGUF file's metadata, with errors that name the key."""
 
-    def __init__(self, reader: Any) -> None:
-        self._reader = reader
-        self._tensor_names = {tensor.name for tensor in reader.tensors}
+    def __init__(self, gguf_file: GGUFFile) -> None:
+        self._metadata = gguf_file.metadata
+        self._tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
         self.architecture = str(self.get("general.architecture"))
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        value = self._metadata.get(key)
+        if value is None:
             if default is _REQUIRED:
                 raise ValueError(
                     f"GGUF metadata lacks {key!r}; the file is incomplete or not a language model"
                 )
             return default
-        return field.contents()
+        return value
 
     def has_tensor(self, name: str) -> bool:
-        return name in self._tensor_names
+        return name in self._tensors
 
     def uniform_int(self, key: str, default: int) -> int:
         # Some converters write per-layer lists (e.g. KV heads); we need one value.
@@ -469,9 +470,9 @@ class _GGUFFields:
         size = self.get(f"{self.architecture}.vocab_size", None)
         if size is not None:
             return int(size)
-        for tensor in self._reader.tensors:
-            if tensor.name == "token_embd.weight":
-                return int(tensor.shape[-1])  # GGML dims are reversed: (hidden, vocab)
+        embedding = self._tensors.get("token_embd.weight")
+        if embedding is not None:
+            return int(embedding.shape[-1])  # GGML dims are reversed: (hidden, vocab)
         raise ValueError("GGUF has neither a vocab_size entry nor a token_embd.weight tensor")
 
     def rope_scaling(self) -> dict | None:
@@ -483,9 +484,9 @@ class _GGUFFields:
             raise ValueError(
                 f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear)"
             )
-        for tensor in self._reader.tensors:
-            # llama.cpp's converter bakes Llama 3.1 rope scaling into per-frequency divisors.
-            if tensor.name == "rope_freqs.weight":
-                factors = dequantize(tensor.data, tensor.tensor_type).ravel()
-                return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+        # llama.cpp's converter bakes Llama 3.1 rope scaling into per-frequency divisors.
+        freqs = self._tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            factors = dequantize(freqs.data, freqs.tensor_type).ravel()
+            return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
         return None

@@ -3,6 +3,11 @@
 Pre-norm blocks: RMSNorm -> attention (fused q/k/v, RoPE, paged KV) -> residual
 -> RMSNorm -> SwiGLU MLP (fused gate/up) -> residual. The residual add is
 fused into the following norm (add_rms_norm), as between-layer kernels do.
+Where the ops fuse a dense layer's projections (decode rows on the GPU:
+kernels/skinny_fused.py), the layer runs with the stream summed instead:
+each norm inside the projection after it, SwiGLU in the gate/up
+projection's epilogue, each residual add in the epilogue of the projection
+before it; the same values, six kernels instead of nine.
 In the layers a mixture-of-experts config makes sparse, the MLP is swapped
 for a SparseMoE block (engine/models/moe.py); nothing else changes.
 
@@ -156,9 +161,14 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         rope_cache: torch.Tensor,
         ops: ReferenceOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (this layer's MLP output, residual stream before it); the next
-        layer's input norm (or the final norm) adds the two."""
+        layer's input norm (or the final norm) adds the two. residual None, in
+        and out: hidden is the whole stream (the embedding, or a sum formed
+        already)."""
+        if self._fused(hidden, ops):
+            return self._fused_forward(hidden, residual, positions, meta, kv_cache, rope_cache,
+                                       ops), None
         if residual is None:
             residual = hidden
             hidden = ops.rms_norm(hidden, self.input_norm_weight, self.eps)
@@ -168,6 +178,33 @@ class DecoderLayer(nn.Module):
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_norm_weight,
                                             self.eps)
         return self.mlp(hidden, ops), residual
+
+    def _fused(self, hidden: torch.Tensor, ops: ReferenceOps) -> bool:
+        """Whether this step's layer runs as the fused kernels' dataflow: a
+        dense layer of one rank, where ops fuse every projection (decode
+        rows; kernels/skinny_fused.py)."""
+        mlp, attn = self.mlp, self.self_attn
+        return (isinstance(mlp, MLP) and mlp.plan.tp.world_size == 1
+                and ops.fuses_dense_layer(hidden, (attn.qkv_weight, attn.o_weight,
+                                                   mlp.gate_up_weight, mlp.down_weight)))
+
+    def _fused_forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                       rope_cache: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        """The layer with the stream summed: each norm inside the projection
+        after it, each residual add inside the projection before it (the
+        stream updated in place). Returns the stream after the layer; the
+        values are those of forward's unfused path."""
+        stream = hidden if residual is None else hidden + residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv = ops.norm_linear(stream, self.input_norm_weight, self.eps, attn.qkv_weight,
+                              attn.qkv_bias)
+        out = ops.attention(attn.config, qkv, positions, meta, kv_cache, rope_cache,
+                            attn.q_norm_weight, attn.k_norm_weight)
+        stream = ops.linear_add_(out, attn.o_weight, attn.o_bias, stream)
+        gated = ops.norm_swiglu(stream, self.post_attention_norm_weight, self.eps,
+                                mlp.gate_up_weight)
+        return ops.linear_add_(gated, mlp.down_weight, None, stream)
 
     def weight_destinations(self, prefix: str, stacked_experts: bool = False
                             ) -> dict[str, Destination]:
@@ -336,7 +373,7 @@ class CausalLM(nn.Module):
                 assert multimodal is not None
                 hidden, residual = _add_deepstack(hidden, residual, multimodal.rows,
                                                   deepstack[index])
-        if residual is None:  # deepstack after the last layer left the sum in hidden
+        if residual is None:  # the last layer ran fused, or deepstack left the sum in hidden
             return ops.rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
         return hidden

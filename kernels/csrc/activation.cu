@@ -6,12 +6,7 @@
 #include <cuda_bf16.h>
 
 #include "pdl.cuh"
-
-namespace {
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-}  // namespace
+#include "swiglu.cuh"
 
 // grid: (T, ceil(I / (8 * blockDim.x))); I must be a multiple of 8. Rows go
 // in grid.x: a grouped MoE step has T = tokens x top-k rows, past grid.y's 65535.
@@ -33,9 +28,7 @@ extern "C" __global__ void silu_and_mul_bf16(__nv_bfloat16* __restrict__ out,
     __nv_bfloat16* r = reinterpret_cast<__nv_bfloat16*>(&result);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        // transformers rounds silu(gate) to bf16 before the product; so do we.
-        const float activated = __bfloat162float(__float2bfloat16(silu(__bfloat162float(g[i]))));
-        r[i] = __float2bfloat16(activated * __bfloat162float(u[i]));
+        r[i] = __float2bfloat16_rn(swiglu(__bfloat162float(g[i]), __bfloat162float(u[i])));
     }
     *reinterpret_cast<uint4*>(out + row * intermediate + col) = result;
 }

@@ -6,9 +6,9 @@ and loading a model's text side never reads its weights.
 
 from __future__ import annotations
 
+from protocol.gguf_file import GGUFMetadata, read_gguf_metadata
 from router.text.chat_template import ChatTemplate, TemplateError
 from router.text.detokenizer import IncrementalDetokenizer
-from router.text.gguf_metadata import GGUFMetadata, read_gguf_metadata
 from router.text.model_text import ModelText
 from router.text.stop_strings import StopStringMatcher
 from router.text.tokenizer import Tokenizer

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from protocol.gguf_file import read_gguf_metadata
 from router.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
-from router.text.gguf_metadata import read_gguf_metadata
 from router.text.offload import off_loop
 from router.text.tokenizer import Tokenizer, special_token_content
 

@@ -180,3 +180,23 @@ def test_a_draft_model_of_another_vocabulary_is_refused(
         in_process.make_engine(tiny_qwen3_dir, spec="draft", draft_model=str(other))
     with pytest.raises(ValueError, match="--spec draft and --draft-model go together"):
         p.EngineOptions(spec="draft")
+
+
+def test_the_vocabulary_check_opens_each_checkpoint_once(
+        smollm2_gguf: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.loader import open_checkpoint, vocabulary
+
+    opened: list[Path] = []
+
+    def counting_open(path: Path):  # type: ignore[no-untyped-def]
+        opened.append(path)
+        return open_checkpoint(path)
+
+    monkeypatch.setattr(vocabulary, "open_checkpoint", counting_open)
+    # Two GGUFs: the token lists come from the one read of each file.
+    assert vocabulary.vocabulary_mismatch(smollm2_gguf, smollm2_gguf) is None
+    assert opened == [smollm2_gguf, smollm2_gguf]
+    opened.clear()
+    why = vocabulary.vocabulary_mismatch(tiny_qwen3_dir, smollm2_gguf)
+    assert why is not None and "49152" in why
+    assert opened == [tiny_qwen3_dir, smollm2_gguf]

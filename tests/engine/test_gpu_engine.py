@@ -161,6 +161,9 @@ class Runs:
     batched: dict[str, list[int]]
     solo: dict[str, list[int]]
     eager: dict[str, list[int]]
+    # Graphs on, the dense layers unfused (ROUNDHOUSE_FUSED_LAYERS=0).
+    unfused: dict[str, list[int]]
+    fused_layers: int  # dense layers a one-row decode step ran fused
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +177,22 @@ def runs(subject: Subject) -> Runs:
     core, events = _engine(subject.path, cuda_graph=False)
     assert core.runner.graphs is None
     eager = _generate(core, events, prompts, GREEDY)
+    fused_layers = _fused_layers(core)
     _release(core)
-    return Runs(batched, solo, eager)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROUNDHOUSE_FUSED_LAYERS", "0")
+        core, events = _engine(subject.path)
+    assert _fused_layers(core) == 0
+    unfused = _generate(core, events, prompts, GREEDY)
+    _release(core)
+    return Runs(batched, solo, eager, unfused, fused_layers)
+
+
+def _fused_layers(core: EngineCore) -> int:
+    """How many of the model's layers a one-row decode step runs fused."""
+    model = core.runner.model
+    hidden = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+    return sum(layer._fused(hidden, model.ops) for layer in model.layers)
 
 
 def _closeness(hf: torch.nn.Module, prompt: list[int], ours: list[int],
@@ -268,6 +285,13 @@ def test_logits_are_as_close_to_float32_as_transformers_bf16(subject: Subject) -
 
 def test_graphs_on_equal_graphs_off(runs: Runs) -> None:
     assert runs.batched == runs.eager
+
+
+def test_fused_dense_layers_give_the_unfused_tokens(subject: Subject, runs: Runs) -> None:
+    # Decode rows run every dense layer as kernels/skinny_fused.py's three
+    # fused kernels, with the unfused kernels' bits (prefill is unfused).
+    assert runs.fused_layers == len(subject.hf.model.layers)
+    assert runs.batched == runs.unfused
 
 
 def test_seeded_sampling_is_reproducible_with_graphs_and_without(tiny_qwen3_gpu: Path) -> None:

@@ -23,6 +23,7 @@ from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
 from engine.loader import load_model
+from engine.loader.gguf_file import open_gguf
 from engine.models import ModelConfig
 from tests.engine.test_engine_exactness import greedy, hf_greedy, make_engine, prompts, run
 from tests.engine.test_loaders import (
@@ -192,7 +193,7 @@ def test_old_mixtral_files_with_one_tensor_per_expert(tiny_model_factory, tmp_pa
 
 def test_llama_file_resolves_by_its_expert_count(tiny_model_factory, tmp_path: Path) -> None:
     path = write_moe_gguf(tiny_model_factory("mixtral"), tmp_path / "m.gguf", "mixtral")
-    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(open_gguf(path))
     assert config.architecture == "MixtralForCausalLM" and config.moe is not None
     assert (config.moe.num_experts, config.moe.experts_per_token) == (4, 2)
     assert config.moe.normalize_topk and config.moe.weigh_in_float32
@@ -207,9 +208,9 @@ def test_qwen3moe_renormalises_unless_the_file_says_not(tiny_model_factory,
     plain = write_moe_gguf(hf_dir, tmp_path / "plain.gguf", "qwen3_moe")
     raw = write_moe_gguf(hf_dir, tmp_path / "raw.gguf", "qwen3_moe",
                          Conversion(metadata={"expert_weights_norm": False}))
-    moe = ModelConfig.from_gguf(gguf.GGUFReader(plain)).moe
+    moe = ModelConfig.from_gguf(open_gguf(plain)).moe
     assert moe is not None and moe.normalize_topk and not moe.weigh_in_float32
-    moe = ModelConfig.from_gguf(gguf.GGUFReader(raw)).moe
+    moe = ModelConfig.from_gguf(open_gguf(raw)).moe
     assert moe is not None and not moe.normalize_topk
 
 

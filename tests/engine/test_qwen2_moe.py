@@ -24,6 +24,7 @@ from safetensors import safe_open
 import protocol as p
 from engine.execution.device_state import host_resident_tensors
 from engine.loader import load_model
+from engine.loader.gguf_file import open_gguf
 from engine.models import ModelConfig
 from engine.models.decoder import MLP
 from engine.models.shared_expert_moe import SharedExpertMoE
@@ -174,7 +175,7 @@ def test_gguf_without_a_shared_expert_tensor_is_refused(all_sparse_dir: Path,
     dropped = "blk.1.ffn_gate_inp_shexp.weight"
     path = write_qwen2moe_gguf(all_sparse_dir, tmp_path / "broken.gguf", drop=(dropped,))
     with pytest.raises(ValueError, match=rf"GGUF layer 1 lacks its experts \({dropped}\)"):
-        ModelConfig.from_gguf(gguf.GGUFReader(path))
+        ModelConfig.from_gguf(open_gguf(path))
 
 
 def test_host_resident_routed_experts_leave_the_shared_expert_on_the_device(

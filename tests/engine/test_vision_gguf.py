@@ -21,8 +21,8 @@ import torch
 
 import tests.engine.test_vision_engine as vision_engine_tests
 from engine.execution.vision_encoder import load_gguf_vision_encoder, load_vision_encoder
+from protocol.gguf_file import read_gguf_metadata
 from protocol.vision_gguf import GGUFTextModel
-from router.text.gguf_metadata import read_gguf_metadata
 from tests.engine.in_process import SMALL_STEPS, make_engine
 from tests.engine.test_vision_engine import (  # noqa: F401  (served is a fixture)
     GRID_A,

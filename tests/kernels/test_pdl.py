@@ -24,11 +24,18 @@ import pytest
 import torch
 
 from kernels import cuda_build, pdl
+from tests.kernels.sass_checks import (
+    cuobjdump_path,
+    first_global_access_before_wait,
+    leaves_before_wait,
+)
 
 CSRC = cuda_build.SOURCE_DIR
 HEADER = "pdl.cuh"
-# Every source that includes pdl.cuh (and so declares PDL-aware kernels).
-PDL_SOURCES = sorted(p.name for p in CSRC.glob("*.cu") if f'#include "{HEADER}"' in p.read_text())
+# Every source whose pasted text has pdl.cuh (directly or through another
+# header), and so declares PDL-aware kernels.
+PDL_SOURCES = sorted(p.name for p in CSRC.glob("*.cu")
+                     if f'#line 1 "{HEADER}"' in cuda_build.source_text(p.name))
 
 
 # --- the driver structs ---------------------------------------------------------
@@ -339,7 +346,8 @@ def test_pdl_sources_are_the_decode_steps_kernels() -> None:
     assert PDL_SOURCES == ["activation.cu", "decode_attention.cu", "fp8_linear.cu",
                            "gated_delta.cu", "gated_norm.cu", "gated_rope_cache.cu",
                            "gguf_gemv_small.cu", "gguf_quant.cu", "moe.cu", "norm.cu",
-                           "rope_cache.cu", "shared_expert.cu", "skinny_gemm.cu"]
+                           "rope_cache.cu", "shared_expert.cu", "skinny_fused.cu",
+                           "skinny_gemm.cu"]
     for source in PDL_SOURCES:
         assert cuda_build.pdl_kernel_patterns(source), f"{source} includes pdl.cuh, declares none"
         assert f'#include "{HEADER}"' not in cuda_build.source_text(source)
@@ -352,18 +360,6 @@ def _nvcc() -> str | None:
     if found:
         return found
     return "/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").is_file() else None
-
-
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-    except ImportError:
-        return None
-    candidate = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(candidate) if candidate.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -432,63 +428,6 @@ def test_pasted_source_compiles_without_the_include_path(tmp_path: Path) -> None
     assert "griddepcontrol.wait;" in (tmp_path / "a.ptx").read_text()
 
 
-# One SASS instruction's opcode (after its address and optional predicate).
-_SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
-# Accesses to global (or generic) memory; LDC/LDS/STS/LDL/STL and the L2
-# prefetch (CCTL) are not.
-_GLOBAL_ACCESS = re.compile(
-    r"(LDG|STG|LD|ST|ATOMG|ATOM|RED|REDG|LDGSTS|SULD|SUST|UTMA\w*|UBLKCP\w*)(\.|$)")
-
-
-def first_global_access_before_wait(sass: str) -> dict[str, str | None]:
-    """Per kernel of a `cuobjdump -sass` listing: the first global memory
-    access before its first ACQBULK (griddepcontrol.wait), "no wait" when
-    it has none, None when the wait comes first."""
-    found: dict[str, str | None] = {}
-    for chunk in sass.split("Function : ")[1:]:
-        name = chunk.split()[0]
-        opcodes = [m.group(1) for m in _SASS_OPCODE.finditer(chunk)]
-        if "ACQBULK" not in opcodes:
-            found[name] = "no wait"
-            continue
-        early = [op for op in opcodes[:opcodes.index("ACQBULK")] if _GLOBAL_ACCESS.match(op)]
-        found[name] = early[0] if early else None
-    return found
-
-
-# A SASS instruction's address, opcode and operands (up to the ';').
-_SASS_INSTRUCTION = re.compile(
-    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
-
-
-def leaves_before_wait(sass: str) -> dict[str, str | None]:
-    """Per kernel of a `cuobjdump -sass` listing that has an ACQBULK: the
-    first instruction before its first ACQBULK that lets a thread leave
-    without waiting (an EXIT, or a branch past the wait), None if none
-    does. A thread that returns before griddepcontrol.wait lets the grid
-    complete before its predecessor (kernels/csrc/pdl.cuh). By address: a
-    branch before the wait to a target after it is the early-return shape."""
-    found: dict[str, str | None] = {}
-    for chunk in sass.split("Function : ")[1:]:
-        name = chunk.split()[0]
-        code = [(int(m.group(1), 16), m.group(2), m.group(3))
-                for m in _SASS_INSTRUCTION.finditer(chunk)]
-        waits = [address for address, opcode, _ in code if opcode == "ACQBULK"]
-        if not waits:
-            continue
-        found[name] = None
-        for address, opcode, operands in code:
-            if address >= waits[0]:
-                break
-            target = _BRANCH_TARGET.search(operands)
-            if opcode.startswith("EXIT") or (opcode.startswith("BRA") and target is not None
-                                             and int(target.group(1), 16) > waits[0]):
-                found[name] = f"{opcode}{operands}".strip()
-                break
-    return found
-
-
 def test_leaves_before_wait_flags_an_exit_or_a_jump_past_the_wait() -> None:
     sass = ("\t\tFunction : good\n"
             "        /*0000*/              @!P0 BRA 0x20 ;\n"
@@ -525,7 +464,7 @@ def test_checker_flags_a_load_before_the_wait() -> None:
 
 def test_declared_kernels_wait_before_touching_global_memory(built: dict[str, Built],
                                                             ptx: dict[str, str]) -> None:
-    cuobjdump = _cuobjdump()
+    cuobjdump = cuobjdump_path()
     if cuobjdump is None:
         pytest.skip("needs cuobjdump")
     early_by_kernel: dict[str, str | None] = {}

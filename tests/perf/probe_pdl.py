@@ -2,12 +2,17 @@
 shape with our kernels' PDL off and on, in one process.
 
     python tests/perf/probe_pdl.py --out $OUT/probe_pdl.json [--rounds 12 --replays 100]
+        [--only chain,engine,fused]
 
 Two graphs, each captured twice (kernels.cuda_build.set_pdl off, then on):
   engine: the engine's own batch-1 decode forward (DecodeGraphs._forward:
           embedding, 28 layers, final norm, lm_head into the logits buffer)
           of a random-weight model at the 0.6B shape, after a 32-token prompt
           and a few decode steps through the engine's step loop;
+  fused:  the engine's graph again, PDL on both times, with the dense layers
+          unfused and then fused (kernels/skinny_fused.py: six kernels a
+          layer instead of nine); "off" and "on" in its JSON are unfused
+          and fused, which must give the same bits;
   chain:  our kernels alone at the 0.6B shapes, 28 layers of add_rms_norm,
           qkv [4096 x 1024], o [1024 x 2048] (on q's columns; no attention),
           add_rms_norm, gate_up [6144 x 1024], silu_and_mul, down [1024 x 3072].
@@ -45,6 +50,7 @@ BF16 = torch.bfloat16
 HIDDEN, Q_SIZE, KV_SIZE, INTERMEDIATE, LAYERS = 1024, 2048, 1024, 3072, 28
 EPS = 1e-6
 T = TypeVar("T")
+CASES = ("chain", "engine", "fused")
 
 
 def capture(run: Callable[[], T], pdl: bool) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -121,7 +127,11 @@ def edges(graphs: dict[bool, tuple[torch.cuda.CUDAGraph, Any]]) -> dict[str, lis
             graphs.items()}
 
 
-def engine_case(rounds: int, replays: int, bandwidth: float) -> dict[str, Any]:
+def engine_case(rounds: int, replays: int, bandwidth: float, fused_off_on: bool = False
+                ) -> dict[str, Any]:
+    """The engine's batch-1 decode graph, PDL off and on (fused layers as the
+    engine runs them); fused_off_on: PDL on, the dense layers unfused and
+    fused (kernels/skinny_fused.py) instead."""
     import protocol as p
     from tests.perf import gpu_models
 
@@ -143,7 +153,12 @@ def engine_case(rounds: int, replays: int, bandwidth: float) -> dict[str, Any]:
     def forward() -> None:
         decode._forward(1, bucket)
 
-    graphs = {pdl: (capture(forward, pdl)[0], logits) for pdl in (False, True)}
+    ops = core.runner.model.ops
+    graphs = {}
+    for mode in (False, True):
+        if fused_off_on:
+            ops.fuse_layers = mode
+        graphs[mode] = (capture(forward, mode or fused_off_on)[0], logits)
     checks = []
     for _ in range(3):
         core.step()  # a new token, position and KV row in the static inputs
@@ -211,10 +226,13 @@ def chain_case(rounds: int, replays: int) -> dict[str, Any]:
     return result
 
 
-def passed(case: dict[str, Any]) -> bool:
+def passed(case: dict[str, Any], name: str) -> bool:
     bits_ok = all(c["equal"] and c["repeatable"] and c["finite"] and c.get("equals_eager", True)
                   for c in case["checks"])
-    return bits_ok and case["edges"]["off"][1] == 0 and case["edges"]["on"][1] > 0
+    # The fused case has PDL on both times; the others off, then on.
+    off_programmatic = case["edges"]["off"][1]
+    return (bits_ok and case["edges"]["on"][1] > 0
+            and (off_programmatic > 0 if name == "fused" else off_programmatic == 0))
 
 
 def main() -> int:
@@ -249,7 +267,10 @@ def main() -> int:
         torch.cuda.empty_cache()
     if "engine" in only:
         results["engine"] = engine_case(args.rounds, args.replays, bandwidth)
-    ok = all(passed(results[name]) for name in ("chain", "engine") if name in results)
+        torch.cuda.empty_cache()
+    if "fused" in only:
+        results["fused"] = engine_case(args.rounds, args.replays, bandwidth, fused_off_on=True)
+    ok = all(passed(results[name], name) for name in CASES if name in results)
     results["passed"] = ok
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
@@ -257,13 +278,13 @@ def main() -> int:
     print(f"\n{results['device']}, copy {bandwidth / 1e12:.2f} TB/s; JSON: {args.out}")
     print(f"{'graph':8} {'PDL off us':>11} {'PDL on us':>10} {'speedup':>8} "
           f"{'spread off/on us':>20} {'prog. edges':>12} {'bits':>5}")
-    for name in ("chain", "engine"):
+    for name in CASES:
         if name not in results:
             continue
         case = results[name]
         spread = (f"{case['off']['max_us'] - case['off']['min_us']:.1f}/"
                   f"{case['on']['max_us'] - case['on']['min_us']:.1f}")
-        bits = "ok" if passed(case) else "FAIL"
+        bits = "ok" if passed(case, name) else "FAIL"
         print(f"{name:8} {case['off']['median_us']:11.1f} {case['on']['median_us']:10.1f} "
               f"{case['speedup']:8.3f} {spread:>20} {case['edges']['on'][1]:>12} {bits:>5}")
     if "engine" in results:
@@ -271,6 +292,11 @@ def main() -> int:
         print(f"engine batch-1: {engine['off']['tok_s']:.0f} -> {engine['on']['tok_s']:.0f} tok/s "
               f"(graph replay only), roofline share {engine['off']['roofline_share']:.1%} -> "
               f"{engine['on']['roofline_share']:.1%} (floor {engine['floor_us']:.0f} us)")
+    if "fused" in results:
+        fused = results["fused"]
+        print(f"engine batch-1, PDL on, dense layers unfused -> fused: "
+              f"{fused['off']['tok_s']:.0f} -> {fused['on']['tok_s']:.0f} tok/s, roofline share "
+              f"{fused['off']['roofline_share']:.1%} -> {fused['on']['roofline_share']:.1%}")
     print("PASS" if ok else "FAIL: see checks and edges in the JSON")
     return 0 if ok else 1
 

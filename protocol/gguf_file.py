@@ -1,9 +1,16 @@
-"""Read a GGUF file's key-value metadata without touching its tensor data.
+"""Read a GGUF file's header (key-value metadata and tensor table), never its tensor data.
 
-gguf.GGUFReader builds numpy views of every field and every tensor, which
-takes about 1.6 s on SmolLM2's 98 MB file (mostly its 100k tokenizer strings);
-the router only needs the key-value section, so this parses just that from a
-memory map, and the pages holding tensor data are never read.
+The one GGUF header parser of the project: the router reads model text
+(tokenizer, chat template) and mmproj pairs through read_gguf_metadata, the
+engine reads configs and tensor tables through read_gguf
+(engine/loader/gguf_file.py maps the tensors' bytes). It lives here because
+both processes need it and this package is the one both may import; stdlib
+only, like the rest of protocol/.
+
+gguf.GGUFReader builds numpy views of every element of every array (SmolLM2's
+98 MB file: 2.5 s, mostly its 49k tokens and 49k merges; a 150k-token Qwen
+vocabulary: 7 s); this decodes each string once with struct over a memory
+map, about 25 ms for SmolLM2, and the pages holding tensor data are never read.
 """
 
 from __future__ import annotations
@@ -11,12 +18,15 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from enum import IntEnum
+from math import prod
 from pathlib import Path
 from typing import Any
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 counted with 32-bit lengths; no file in use still has it
+DEFAULT_ALIGNMENT = 32  # of the tensor data, unless general.alignment says otherwise
 
 
 class ValueType(IntEnum):
@@ -68,6 +78,31 @@ class GGUFMetadata(Mapping[str, Any]):
         """The `{architecture}.{suffix}` value (e.g. "context_length"), or None."""
         arch = self.architecture
         return None if arch is None else self._values.get(f"{arch}.{suffix}")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table: where a tensor's bytes are, not the bytes."""
+
+    name: str
+    dims: tuple[int, ...]  # GGUF order: the innermost (contiguous) dimension first
+    type_id: int  # the ggml type (gguf.GGMLQuantizationType's value)
+    offset: int  # of its first byte, from the start of the file
+
+    @property
+    def n_elements(self) -> int:
+        return prod(self.dims)
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Everything before a GGUF file's tensor data."""
+
+    path: Path
+    metadata: GGUFMetadata
+    tensors: tuple[GGUFTensorInfo, ...]
+    big_endian: bool
+    data_offset: int  # where the (aligned) tensor data starts
 
 
 class _Cursor:
@@ -135,21 +170,40 @@ class _Cursor:
             return self.scalar(_SCALAR_CODES[ValueType(vtype)])
         raise ValueError(f"unknown GGUF value type {vtype}")
 
+    def tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        """(name, dims, ggml type, offset from the start of the data section)."""
+        name = self.string()
+        n_dims = self.scalar("I")
+        if n_dims > 8:  # ggml's GGML_MAX_DIMS is 4; more is a corrupt entry
+            raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
+        dims = tuple(self.scalars("Q", n_dims))
+        return name, dims, self.scalar("I"), self.scalar("Q")
+
 
 def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
-    """Parse the header and key-value pairs of a GGUF file; raise ValueError if it is not one."""
-    path = Path(path)
+    """Parse the header and key-value pairs of a GGUF file (not its tensor
+    table); raise ValueError if it is not one."""
+    return _read(Path(path), with_tensors=False).metadata
+
+
+def read_gguf(path: str | Path) -> GGUFHeader:
+    """Parse the metadata and the tensor table of a GGUF file; raise
+    ValueError if it is not one (or its tensor table is corrupt)."""
+    return _read(Path(path), with_tensors=True)
+
+
+def _read(path: Path, with_tensors: bool) -> GGUFHeader:
     with open(path, "rb") as file:
         if file.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
-                return _parse(path, buf)
+                return _parse(path, buf, with_tensors)
             except (struct.error, UnicodeDecodeError) as exc:
-                raise ValueError(f"{path}: malformed GGUF metadata ({exc})") from exc
+                raise ValueError(f"{path}: malformed GGUF header ({exc})") from exc
 
 
-def _parse(path: Path, buf: mmap.mmap) -> GGUFMetadata:
+def _parse(path: Path, buf: mmap.mmap, with_tensors: bool) -> GGUFHeader:
     (raw_version,) = struct.unpack_from("<I", buf, 4)
     # A big-endian file (s390x builds) stores the version byte-swapped, so the
     # small version number lands in the high bytes when read little-endian.
@@ -169,4 +223,25 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFMetadata:
             values[key] = cursor.value(vtype)
         except ValueError as exc:
             raise ValueError(f"{path}: key {key!r}: {exc}") from exc
-    return GGUFMetadata(path, version, tensor_count, values)
+    metadata = GGUFMetadata(path, version, tensor_count, values)
+    if not with_tensors:
+        return GGUFHeader(path, metadata, (), endian == ">", 0)
+    if tensor_count > len(buf):  # each entry takes more than a byte
+        raise ValueError(f"{path}: the header claims {tensor_count} tensors")
+    entries = [cursor.tensor_info() for _ in range(tensor_count)]
+    alignment = _alignment(path, values)
+    data_offset = -(-cursor.pos // alignment) * alignment
+    tensors = tuple(GGUFTensorInfo(name, dims, type_id, data_offset + offset)
+                    for name, dims, type_id, offset in entries)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ValueError(f"{path}: the tensor table names a tensor twice")
+    return GGUFHeader(path, metadata, tensors, endian == ">", data_offset)
+
+
+def _alignment(path: Path, values: dict[str, Any]) -> int:
+    alignment = values.get("general.alignment", DEFAULT_ALIGNMENT)
+    # A power of two above zero, as llama.cpp and gguf's reader require.
+    if (isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0
+            or alignment & (alignment - 1)):
+        raise ValueError(f"{path}: general.alignment {alignment!r} is not a power of two")
+    return alignment
