@@ -8,8 +8,8 @@ roofline, the tensor-core peak and Hugging Face transformers, in one run.
    outputs), against the roofline: measured copy bandwidth over the bytes a
    step must read.
 2. Offline throughput on nano-vllm's workload: 256 requests with input and
-   output lengths uniform in 100..1024 (seed 0), Qwen3-0.6B shape, output
-   tokens over the whole wall time, prefill included.
+   output lengths uniform in 100..1024 (seed 0; tests/perf/nano_vllm_workload.py),
+   Qwen3-0.6B shape, output tokens over the whole wall time, prefill included.
    With kv-fp8 (not in the default set): the same workload at the
    Qwen3-8B shape under a 24 GiB memory grant, --kv-dtype bf16 against fp8.
 3. Time to first token for 1k, 8k and 32k-token prompts at the 8B shape, as
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-import protocol as p
 from engine.scheduling.core import EngineCore
 from tests.perf.gpu_models import (
     QWEN3_TEXT_VOCAB,
@@ -45,6 +44,13 @@ from tests.perf.gpu_models import (
     make_engine,
     matmul_flops,
     random_model,
+)
+from tests.perf.nano_vllm_workload import (
+    drain,
+    nano_vllm_requests,
+    random_prompt,
+    run_workload,
+    submit,
 )
 
 DEVICE = torch.device("cuda")
@@ -62,29 +68,14 @@ def _free(*objects: object) -> None:
     torch.cuda.empty_cache()
 
 
-def _submit(core: EngineCore, request_id: str, prompt: list[int], max_tokens: int,
-            temperature: float = 0.0) -> None:
-    params = p.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-    core.handle(p.Generate(request_id, prompt, params))
-
-
-def _random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(QWEN3_TEXT_VOCAB) for _ in range(length)]
-
-
-def _drain(core: EngineCore) -> None:
-    while core.has_work:
-        core.step()
-
-
 def bench_decode(shape: str) -> dict[str, float]:
     loaded = random_model(shape, DEVICE)
     core, events = make_engine(loaded, max_concurrency=8, max_batched_tokens=2048,
                                max_context=4096, kv_capacity_tokens=65536)
     rng = random.Random(1)
-    _submit(core, "warm", _random_prompt(rng, 64), 64)
-    _drain(core)
-    _submit(core, "solo", _random_prompt(rng, 32), 513)
+    submit(core, "warm", random_prompt(rng, 64), 64)
+    drain(core)
+    submit(core, "solo", random_prompt(rng, 32), 513)
     stamps = []
     while core.has_work:
         core.step()
@@ -105,23 +96,7 @@ def bench_throughput(shape: str = "qwen3-0.6b", **options: Any) -> dict[str, flo
     loaded = random_model(shape, DEVICE)
     core, events = make_engine(loaded, max_concurrency=256, max_batched_tokens=16384,
                                max_context=4096, **options)
-    rng = random.Random(0)
-    _submit(core, "warm", _random_prompt(rng, 256), 32)
-    _drain(core)
-    rng = random.Random(0)
-    workload = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
-    prompts = [_random_prompt(rng, n) for n, _ in workload]
-    started = time.perf_counter()
-    for index, (prompt, (_, out_len)) in enumerate(zip(prompts, workload, strict=True)):
-        _submit(core, f"r{index}", prompt, out_len)
-    _drain(core)
-    seconds = time.perf_counter() - started
-    output_tokens = sum(out for _, out in workload)
-    result = {"requests": 256, "input_tokens": sum(n for n, _ in workload),
-              "output_tokens": output_tokens, "seconds": seconds,
-              "output_tok_s": output_tokens / seconds,
-              "preemptions": core.scheduler.num_preemptions,
-              "kv_pages": core.scheduler.kv.pool.num_pages, **options}
+    result = {**run_workload(core, nano_vllm_requests()), **options}
     _free(core, events, loaded)
     return result
 
@@ -142,15 +117,15 @@ def bench_prefill() -> dict[str, dict[str, float]]:
     core, events = make_engine(loaded, max_concurrency=8, max_batched_tokens=8192,
                                max_context=40960)
     rng = random.Random(2)
-    _submit(core, "warm", _random_prompt(rng, 1024), 1)
-    _drain(core)
+    submit(core, "warm", random_prompt(rng, 1024), 1)
+    drain(core)
     results = {}
     for length in (1024, 8192, 32768):
-        prompt = _random_prompt(rng, length)
+        prompt = random_prompt(rng, length)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        _submit(core, f"p{length}", prompt, 1)
-        _drain(core)
+        submit(core, f"p{length}", prompt, 1)
+        drain(core)
         ttft = time.perf_counter() - started
         flops = _prefill_flops("qwen3-8b", length)
         results[str(length)] = {"ttft_s": ttft, "tok_s": length / ttft,
@@ -164,7 +139,7 @@ def _decode_rate(core: EngineCore, batch: int, rng: random.Random, steps: int = 
     """Output tok/s of `batch` requests decoding together, their 32-token
     prompts prefilled in one step before the clock starts."""
     for index in range(batch):
-        _submit(core, f"b{batch}-{index}", _random_prompt(rng, 32), steps + 1)
+        submit(core, f"b{batch}-{index}", random_prompt(rng, 32), steps + 1)
     stamps = []
     while core.has_work:
         core.step()
@@ -178,8 +153,8 @@ def _prefill_rate(core: EngineCore, length: int, rng: random.Random) -> float:
     """Prompt tok/s of one `length`-token prompt (time to its first token)."""
     torch.cuda.synchronize()
     started = time.perf_counter()
-    _submit(core, f"p{length}", _random_prompt(rng, length), 1)
-    _drain(core)
+    submit(core, f"p{length}", random_prompt(rng, length), 1)
+    drain(core)
     return length / (time.perf_counter() - started)
 
 
@@ -193,8 +168,8 @@ def bench_deterministic() -> dict[str, dict[str, dict[str, float]]]:
             core, events = make_engine(loaded, max_concurrency=64, max_batched_tokens=2048,
                                        max_context=2048, deterministic=deterministic)
             rng = random.Random(3)
-            _submit(core, "warm", _random_prompt(rng, 1024), 16)
-            _drain(core)
+            submit(core, "warm", random_prompt(rng, 1024), 16)
+            drain(core)
             row = {"decode_b1_tok_s": _decode_rate(core, 1, rng),
                    "decode_b64_tok_s": _decode_rate(core, 64, rng),
                    "prefill_1k_tok_s": _prefill_rate(core, 1024, rng)}

@@ -1,5 +1,7 @@
 """Random-weight models at real shapes for the GPU benchmarks, built straight
-on the device (no checkpoint on disk), and engines around them."""
+on the device (no checkpoint on disk), and engines around them; write_checkpoint
+puts one on disk as a Hugging Face checkpoint (bf16, or FP8 as Qwen3's FP8
+releases store it) for the benchmarks that load through the engine's loader."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 import protocol as p
 from engine.loader import LoadedModel
 from engine.models import ModelConfig, build_model
 from engine.process.bootstrap import assemble_engine
 from engine.scheduling.core import EngineCore
+from kernels.fp8_reference import E4M3_MAX, FP8, quantize_blocks
 
 QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -37,6 +41,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 # The tokens of Qwen3's tokenizer (its embedding has spare rows past these).
 QWEN3_TEXT_VOCAB = 151669
+# What an FP8 checkpoint stores in float8 e4m3; Qwen3's FP8 releases keep the
+# embedding, the norms and lm_head in bf16.
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# write_checkpoint's shard size: the host holds one shard at a time.
+SHARD_BYTES = 2 << 30
 
 
 def hf_config(shape: str) -> dict[str, Any]:
@@ -70,6 +79,49 @@ def decode_step_bytes(loaded: LoadedModel) -> int:
     embed = config.vocab_size * config.hidden_size * 2
     total = weight_bytes(loaded)
     return total if config.tie_word_embeddings else total - embed
+
+
+@torch.inference_mode()
+def write_checkpoint(loaded: LoadedModel, hf: dict[str, Any], target: Path,
+                     fp8_scales: str | None = None) -> Path:
+    """loaded's weights as a Hugging Face checkpoint in target: config.json
+    (hf) and bf16 safetensors shards. fp8_scales "block" or "tensor": the
+    projections in float8 e4m3 with 128x128 block scales (weight_scale_inv)
+    or one scale per tensor (weight_scale), quantization_config saying so."""
+    target.mkdir(parents=True, exist_ok=True)
+    if fp8_scales is not None:
+        block = {"weight_block_size": [128, 128]} if fp8_scales == "block" else {}
+        hf = {**hf, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "modules_to_not_convert": ["lm_head"], **block}}
+    (target / "config.json").write_text(json.dumps(hf))
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = files = 0
+    for name, weight in loaded.model.weight_destinations(stacked_experts=False).items():
+        # A weight and its scale go to the same shard.
+        for key, tensor in _stored(name, weight, fp8_scales).items():
+            shard[key] = tensor.to("cpu", copy=True).contiguous()
+            shard_bytes += shard[key].nbytes
+        if shard_bytes >= SHARD_BYTES:
+            files += 1
+            save_file(shard, str(target / f"model-{files:05d}.safetensors"))
+            shard, shard_bytes = {}, 0
+    if shard:
+        save_file(shard, str(target / f"model-{files + 1:05d}.safetensors"))
+    return target
+
+
+def _stored(name: str, weight: torch.Tensor, fp8_scales: str | None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores for one weight (quantized on its device)."""
+    if fp8_scales is None or name.rsplit(".", 2)[-2] not in FP8_PROJECTIONS:
+        return {name: weight.to(torch.bfloat16)}
+    base = name.removesuffix("weight")
+    if fp8_scales == "block":
+        values, scales = quantize_blocks(weight)
+        return {name: values, base + "weight_scale_inv": scales}
+    scale = weight.abs().max().float() / E4M3_MAX
+    values = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return {name: values, base + "weight_scale": scale}
 
 
 def make_engine(loaded: LoadedModel, device: str = "cuda", dtype: str = "bfloat16",
