@@ -48,16 +48,26 @@ _STEP_K = 128
 _VECTOR_BYTES = 16
 # norm.cu's widest row; the normalized rows of a CTA live in shared memory.
 NORM_MAX_K = 16384
+# The most dynamic shared memory the norm prologue's rows may take: Hopper's
+# 227 KiB an SM less the kernels' static 8 KiB of partial sums, rounded down.
+NORM_MAX_SHARED_BYTES = 216 * 1024
 # The SwiGLU kernel's CTA: 8 gate rows and their 8 up rows, at most 8 warps.
 _SWIGLU_MAX_WARPS = 8
 
 
 def rows_fusable(hidden: torch.Tensor) -> bool:
     """Whether hidden (a decoder layer's input rows) can enter the fused
-    kernels: bf16 [M, H], 1 <= M <= 8, contiguous, 16-byte aligned, on a GPU."""
+    kernels: bf16 [M, H], 1 <= M <= 8, contiguous, 16-byte aligned, on a GPU,
+    its normalized rows within the norm prologue's shared memory."""
     return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
             and 1 <= hidden.shape[0] <= SKINNY_MAX_ROWS and hidden.is_contiguous()
-            and hidden.data_ptr() % 16 == 0)
+            and hidden.data_ptr() % 16 == 0 and norm_fits(*hidden.shape))
+
+
+def norm_fits(rows: int, k: int) -> bool:
+    """Whether the norm prologue takes rows x K: K up to NORM_MAX_K (norm.cu's
+    widest row) and the normalized rows within NORM_MAX_SHARED_BYTES."""
+    return k <= NORM_MAX_K and _normalized_bytes(rows, k) <= NORM_MAX_SHARED_BYTES
 
 
 def weight_fusable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
@@ -71,10 +81,10 @@ def weight_fusable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, *, norm: bool = False) -> bool:
     """Whether the fused kernels take (x, weight): skinny_linear's rules, and
-    with a norm prologue K at most NORM_MAX_K (a cheap host-side check)."""
+    with a norm prologue norm_fits (a cheap host-side check)."""
     if not skinny_linear_supported(x, weight, SKINNY_MAX_ROWS):
         return False
-    return not norm or x.shape[1] <= NORM_MAX_K
+    return not norm or norm_fits(*x.shape)
 
 
 def _normalized_bytes(rows: int, k: int) -> int:
@@ -92,8 +102,11 @@ def _check_norm_weight(norm_weight: torch.Tensor, k: int, device: torch.device) 
 
 
 def _check_norm_rows(x: torch.Tensor) -> None:
-    if x.shape[1] > NORM_MAX_K:
-        raise ValueError(f"K must be at most {NORM_MAX_K} with the norm, got {x.shape[1]}")
+    rows, k = x.shape
+    if not norm_fits(rows, k):
+        raise ValueError(f"the norm prologue takes K up to {NORM_MAX_K} and at most "
+                         f"{NORM_MAX_SHARED_BYTES} bytes of normalized rows; {rows} rows of "
+                         f"K = {k} need {_normalized_bytes(rows, k)}")
 
 
 def norm_skinny_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

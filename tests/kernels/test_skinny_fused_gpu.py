@@ -124,6 +124,8 @@ def test_refuses_what_it_cannot_take() -> None:
         norm_skinny_swiglu(x, norm_weight, EPS, _randn(2, 15, 64))
     with pytest.raises(ValueError, match="rows"):
         norm_skinny_linear(_x(9, 64, 0), norm_weight, EPS, _randn(2, 16, 64))
+    with pytest.raises(ValueError, match="normalized rows"):  # 262 KB of shared memory
+        norm_skinny_linear(_x(8, 16384, 0), _randn(1, 16384), EPS, _randn(2, 16, 16384))
     with pytest.raises(ValueError, match="overlap"):
         stream = _x(2, 64, 0)
         skinny_linear_add_(stream, _randn(2, 64, 64), None, stream)
