@@ -40,11 +40,12 @@ from kernels.skinny_gemm import (
     SKINNY_MAX_ROWS,
     _checked_out,
     _layout,
+    k_split,
     skinny_linear_supported,
+    skinny_weight_supported,
 )
 
 _SOURCE = "skinny_fused.cu"
-_STEP_K = 128
 _VECTOR_BYTES = 16
 # norm.cu's widest row; the normalized rows of a CTA live in shared memory.
 NORM_MAX_K = 16384
@@ -72,11 +73,9 @@ def norm_fits(rows: int, k: int) -> bool:
 
 def weight_fusable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
     """Whether a layer's projection can be a fused kernel's matrix for
-    hidden's rows, whatever x it multiplies: bf16 [N, K], K a multiple of 8
-    up to NORM_MAX_K, contiguous, 16-byte aligned, on hidden's device."""
-    return (weight.device == hidden.device and weight.dtype == torch.bfloat16
-            and weight.dim() == 2 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            and 0 < weight.shape[1] <= NORM_MAX_K and weight.shape[1] % 8 == 0)
+    hidden's rows, whatever x it multiplies: a skinny GEMM's matrix on
+    hidden's device with K up to NORM_MAX_K."""
+    return skinny_weight_supported(weight, hidden.device) and weight.shape[1] <= NORM_MAX_K
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor, *, norm: bool = False) -> bool:
@@ -133,9 +132,8 @@ def norm_skinny_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 def swiglu_layout(intermediate: int, k: int) -> tuple[int, int, int]:
     """(CTAs, warps per CTA, steps of 128 K) of the SwiGLU kernel."""
-    steps = -(-k // _STEP_K)
-    steps_per_warp = -(-steps // _SWIGLU_MAX_WARPS)
-    return -(-intermediate // 8), -(-steps // steps_per_warp), steps
+    warps, steps = k_split(k, _SWIGLU_MAX_WARPS)
+    return -(-intermediate // 8), warps, steps
 
 
 def norm_skinny_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

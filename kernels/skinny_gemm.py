@@ -65,14 +65,20 @@ def _layout(rows: int, k: int, sms: int) -> tuple[int, int, int, int]:
     The steps are spread evenly over the warps: each warp does
     ceil(steps / warps) of them, with no warp idle.
     """
-    steps = -(-k // _STEP_K)
     row_groups = 2 if -(-rows // (2 * _ROWS_PER_GROUP)) >= sms else 1
     ctas = -(-rows // (row_groups * _ROWS_PER_GROUP))
     # (Two row groups only come with ctas >= sms; their kernel takes <= 8 warps.)
     max_warps = _WARPS_MANY_CTAS if ctas >= sms or row_groups == 2 else _WARPS_FEW_CTAS
-    steps_per_warp = -(-steps // max_warps)
-    warps = -(-steps // steps_per_warp)
+    warps, steps = k_split(k, max_warps)
     return row_groups, ctas, warps, steps
+
+
+def k_split(k: int, max_warps: int) -> tuple[int, int]:
+    """(warps, steps of 128 K): the steps of K spread evenly over at most
+    max_warps warps (warp w takes steps w, w + warps, ...), none idle."""
+    steps = -(-k // _STEP_K)
+    steps_per_warp = -(-steps // max_warps)
+    return -(-steps // steps_per_warp), steps
 
 
 # skinny_linear_rows: at most this many warps per CTA, whatever the shapes
@@ -89,9 +95,7 @@ def rows_k_split(k: int) -> tuple[int, int]:
     K: the steps spread evenly over at most ROWS_MAX_WARPS warps (warp w
     takes steps w, w + warps, ...), then the warps' partials added in warp
     order. A function of K alone: this is each row's reduction order."""
-    steps = -(-k // _STEP_K)
-    steps_per_warp = -(-steps // ROWS_MAX_WARPS)
-    return -(-steps // steps_per_warp), steps
+    return k_split(k, ROWS_MAX_WARPS)
 
 
 def _rows_layout(rows: int, n: int, sms: int) -> tuple[int, int, int, int]:
@@ -111,6 +115,20 @@ def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % 16 == 0
 
 
+def skinny_weight_supported(weight: torch.Tensor, device: torch.device) -> bool:
+    """Whether weight can be a skinny GEMM's matrix on device: bf16 [N, K],
+    1 <= N, K a positive multiple of 8, contiguous, 16-byte aligned (a cheap
+    host-side check; skinny_linear_supported adds x's)."""
+    if not (weight.is_cuda and weight.device == device and weight.dtype == torch.bfloat16):
+        return False
+    if weight.dim() != 2:
+        return False
+    n, k = weight.shape
+    if not 1 <= n <= _MAX_N or k < _VECTOR or k % _VECTOR or k > _MAX_K:
+        return False
+    return weight.is_contiguous() and _aligned(weight)
+
+
 def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor,
                             max_rows: int = SKINNY_MAX_ROWS) -> bool:
     """Whether skinny_linear takes (x, weight): a cheap host-side check of
@@ -121,21 +139,14 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor,
     contiguous, 16-byte aligned, on x's CUDA device; K a positive multiple
     of 8.
     """
-    if not (x.is_cuda and weight.is_cuda and x.device == weight.device):
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2):
         return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return False
-    if x.dim() != 2 or weight.dim() != 2:
+    if not skinny_weight_supported(weight, x.device):
         return False
     rows, k = x.shape
-    n, weight_k = weight.shape
-    if not 1 <= rows <= max_rows or weight_k != k or not 1 <= n <= _MAX_N:
+    if not 1 <= rows <= max_rows or weight.shape[1] != k:
         return False
-    if k < _VECTOR or k % _VECTOR or k > _MAX_K:
-        return False
-    if not (x.is_contiguous() and weight.is_contiguous()):
-        return False
-    return _aligned(x) and _aligned(weight)
+    return x.is_contiguous() and _aligned(x)
 
 
 def skinny_linear(

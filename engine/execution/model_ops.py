@@ -400,16 +400,20 @@ class CudaOps(ReferenceOps):
         # bf16 matrices the size rule gives it): there the fused kernels
         # give the unfused kernels' bits with three launches fewer a layer.
         # Not in batch-invariant mode, whose prefill rows must match.
-        if self.deterministic or not self.fuse_layers:
+        if not self._fusing:
             return False
         rows = hidden.shape[0]
         return (skinny_fused.rows_fusable(hidden)
                 and all(isinstance(w, torch.Tensor) and skinny_fused.weight_fusable(w, hidden)
                         and _skinny_wins(rows, w.numel()) for w in weights))
 
+    @property
+    def _fusing(self) -> bool:
+        return self.fuse_layers and not self.deterministic
+
     def _fuses(self, x: torch.Tensor, weight: torch.Tensor, norm: bool) -> bool:
-        return (not self.deterministic and self.fuse_layers
-                and skinny_fused.fusable(x, weight, norm=norm)
+        """Whether one fused op takes (x, weight): the layer's rule, for this x."""
+        return (self._fusing and skinny_fused.fusable(x, weight, norm=norm)
                 and _skinny_wins(x.shape[0], weight.numel()))
 
     def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

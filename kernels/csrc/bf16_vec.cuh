@@ -1,5 +1,6 @@
-// bf16 vectors and the RMSNorm element step, shared by the norm, RoPE and
-// gated kernels (norm.cu, rope_cache.cu, gated_norm.cu, gated_rope_cache.cu).
+// bf16 vectors and the RMSNorm element step, shared by the norm, RoPE,
+// gated and shared-expert kernels (norm.cu, rope_cache.cu, gated_norm.cu,
+// gated_rope_cache.cu, shared_expert.cu) and the skinny GEMM's fusions.
 // Pasted into each including source by kernels/cuda_build.py before NVRTC
 // compiles it (CuPy's compile cache is keyed on the source text alone).
 #pragma once

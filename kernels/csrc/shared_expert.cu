@@ -10,33 +10,8 @@
 // pdl-aware: shared_expert_combine
 #include <cuda_bf16.h>
 
+#include "bf16_vec.cuh"
 #include "pdl.cuh"
-
-namespace {
-
-__device__ __forceinline__ uint4 load_vec(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const uint4*>(p);
-}
-
-__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const uint4& v) {
-    *reinterpret_cast<uint4*>(p) = v;
-}
-
-__device__ __forceinline__ float vec_get(const uint4& v, int i) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-    return __bfloat162float(h[i]);
-}
-
-__device__ __forceinline__ void vec_set(uint4& v, int i, __nv_bfloat16 x) {
-    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
-    h[i] = x;
-}
-
-__device__ __forceinline__ float round_bf16(float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
-
-}  // namespace
 
 extern "C" __global__ void shared_expert_combine(__nv_bfloat16* out, const __nv_bfloat16* routed,
                                                  const __nv_bfloat16* shared,
